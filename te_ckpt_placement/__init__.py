@@ -1,0 +1,40 @@
+"""Checkpoint-scoped placement of Transformer Engine FusedAdam optimizer-state exports.
+
+Example:
+    >>> from te_ckpt_placement import export_placement
+    >>> with export_placement("cpu"):
+    ...     state = optimizer.state_dict()  # doctest: +SKIP
+
+``import te_ckpt_placement`` does not import Transformer Engine; ``te_ckpt_placement.FusedAdam``
+does, on first access.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .policy import Placement, current_placement, export_placement
+from .te_adapter import ContractError, install, is_installed, uninstall
+
+if TYPE_CHECKING:
+    from .fused_adam import FusedAdam
+
+__all__ = [
+    "ContractError",
+    "FusedAdam",
+    "Placement",
+    "current_placement",
+    "export_placement",
+    "install",
+    "is_installed",
+    "uninstall",
+]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name == "FusedAdam":
+        from .fused_adam import FusedAdam
+
+        return FusedAdam
+    raise AttributeError(f"module 'te_ckpt_placement' has no attribute {name!r}")

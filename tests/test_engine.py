@@ -1,0 +1,219 @@
+"""The streaming export against the CPU stand-in of TE FusedAdam's storage contract."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from te_ckpt_placement import Placement, export_placement, te_adapter
+from te_ckpt_placement.engine import StateSource, materialize
+
+from .helpers import (
+    aliases_live,
+    assert_owns_storage,
+    assert_same_export,
+    assert_snapshot_equal,
+    exported_tensors,
+    live_storages,
+    snapshot,
+)
+from .standin import StandInFusedAdam, make_optimizer, train
+
+MOMENTS = [torch.float32, torch.bfloat16, torch.float16, torch.uint8]
+MASTERS = ["none", "fp32", "fp16", "remainder"]
+
+
+@pytest.fixture(autouse=True)
+def hooked_standin() -> Iterator[None]:
+    te_adapter.patch_class(StandInFusedAdam)
+    yield
+    te_adapter.unpatch_class(StandInFusedAdam)
+
+
+def model_params(
+    param_dtype: torch.dtype, seed: int = 0, *, empty: bool = True
+) -> list[torch.nn.Parameter]:
+    # TE cannot keep scaled (FP16/FP8) states of 0-element params: its _apply_scale calls
+    # aminmax on an empty tensor (fused_adam.py L298), so those modes get no empty param.
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(7, 5), (13,), (1,), (0,) if empty else (2,), (3, 4, 2)]
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(param_dtype)) for s in shapes]
+
+
+def reference(opt: StandInFusedAdam) -> dict:
+    with export_placement(None):
+        return opt.state_dict()
+
+
+@pytest.mark.parametrize(("moments", "master"), list(itertools.product(MOMENTS, MASTERS)))
+def test_bit_exact_against_te_export_every_storage_mode(moments: torch.dtype, master: str) -> None:
+    param_dtype = torch.bfloat16 if master == "remainder" else torch.float32
+    if master == "fp16":
+        param_dtype = torch.float16
+    scaled = moments in (torch.float16, torch.uint8) or master == "fp16"
+    params = model_params(param_dtype, empty=not scaled)
+    opt = make_optimizer(
+        [{"params": params[:2]}, {"params": params[2:], "lr": 1e-3}], moments=moments, master=master
+    )
+    train(opt, steps=3)
+    before = snapshot(opt)
+    ref = reference(opt)
+    with export_placement("cpu"):
+        ours = opt.state_dict()
+    assert_same_export(ours, ref)
+    assert_snapshot_equal(before, snapshot(opt))
+    for t in exported_tensors(ours):
+        assert t.device.type == "cpu"
+        assert_owns_storage(t)
+    if master == "remainder":
+        assert all(s["master_param"].dtype == torch.int16 for s in ours["state"].values())
+
+
+@pytest.mark.parametrize("moments", [torch.float16, torch.uint8])
+def test_device_conversion_matches(moments: torch.dtype) -> None:
+    opt = make_optimizer(model_params(torch.float32, empty=False), moments=moments)
+    train(opt)
+    with export_placement("cpu", conversion="device"):
+        ours = opt.state_dict()
+    assert_same_export(ours, reference(opt))
+
+
+def test_exported_tensors_never_alias_live_state() -> None:
+    # TE's own export returns the live FP32 tensors themselves; ours must be private copies.
+    opt = make_optimizer(model_params(torch.float32), moments=torch.float32)
+    train(opt)
+    live = live_storages(opt)
+    ref = reference(opt)
+    assert any(aliases_live(t, live) for t in exported_tensors(ref))
+    with export_placement("cpu"):
+        ours = opt.state_dict()
+    assert not any(aliases_live(t, live) for t in exported_tensors(ours))
+    frozen = [t.clone() for t in exported_tensors(ours)]
+    train(opt, steps=1, seed=5)
+    for a, b in zip(exported_tensors(ours), frozen, strict=True):
+        assert torch.equal(a, b), "a later step changed an exported tensor"
+
+
+def test_params_without_state_and_groups_added_later() -> None:
+    params = model_params(torch.float32)
+    opt = make_optimizer([{"params": params[:3]}], moments=torch.bfloat16)
+    train(opt)
+    extra = torch.nn.Parameter(torch.randn(4, 4))
+    opt.add_param_group({"params": [extra, *params[3:]], "lr": 0.5})
+    opt.state[params[3]]
+    ref = reference(opt)
+    with export_placement("cpu"):
+        ours = opt.state_dict()
+    assert_same_export(ours, ref)
+    assert len(ours["param_groups"]) == 2
+    # indices: group 0 holds 0-2; group 1 holds extra (3), params[3] (4), params[4] (5)
+    assert ours["state"][4] == {}
+    assert 3 not in ours["state"] and 5 not in ours["state"]
+
+
+def test_fresh_optimizer_exports_empty_state() -> None:
+    opt = make_optimizer(model_params(torch.float32))
+    with export_placement("cpu"):
+        ours = opt.state_dict()
+    assert_same_export(ours, reference(opt))
+    assert ours["state"] == {}
+
+
+def test_default_export_is_te_export_outside_a_policy() -> None:
+    opt = make_optimizer(model_params(torch.float32), moments=torch.float32)
+    train(opt)
+    hooked = opt.state_dict()
+    te_adapter.unpatch_class(StandInFusedAdam)
+    plain = opt.state_dict()
+    assert_same_export(hooked, plain)
+    # TE's own behaviour, aliasing included, is what runs when no policy is active.
+    for a, b in zip(exported_tensors(hooked), exported_tensors(plain), strict=True):
+        assert a.data_ptr() == b.data_ptr()
+
+
+def test_policy_none_inside_cpu_runs_te_export() -> None:
+    opt = make_optimizer(model_params(torch.float32), moments=torch.float32)
+    train(opt)
+    live = live_storages(opt)
+    with export_placement("cpu"), export_placement(None):
+        sd = opt.state_dict()
+    assert all(aliases_live(t, live) for t in exported_tensors(sd) if t.numel())
+
+
+def test_optimizer_default_placement_and_active_policy_wins() -> None:
+    opt = make_optimizer(model_params(torch.float32), moments=torch.float32)
+    train(opt)
+    live = live_storages(opt)
+    opt._te_ckpt_default_placement = Placement(device="cpu")  # what the subclass stores
+
+    def aliased(sd: dict) -> bool:
+        return all(aliases_live(t, live) for t in exported_tensors(sd) if t.numel())
+
+    assert not aliased(opt.state_dict())
+    with export_placement(None):
+        assert aliased(opt.state_dict())
+
+
+def test_unknown_state_name_fails_before_any_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    opt = make_optimizer(model_params(torch.float32), moments=torch.bfloat16)
+    train(opt)
+    p = opt.param_groups[0]["params"][1]
+    opt.state[p]["step"] = torch.tensor(3.0)
+    copies: list[object] = []
+    monkeypatch.setattr(
+        te_adapter.engine, "materialize", lambda s: copies.append(s) or materialize(s)
+    )
+    with export_placement("cpu"), pytest.raises(ValueError, match=r"'step' of parameter 1"):
+        opt.state_dict()
+    assert copies == []
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype"), [("exp_avg", torch.float32), ("exp_avg_sq", torch.float16)]
+)
+def test_state_with_unexpected_dtype_is_named(name: str, dtype: torch.dtype) -> None:
+    opt = make_optimizer(model_params(torch.float32), moments=torch.bfloat16)
+    train(opt)
+    p = opt.param_groups[0]["params"][0]
+    opt.state[p][name] = opt.state[p][name].to(dtype)
+    with export_placement("cpu"), pytest.raises(ValueError) as info:
+        opt.state_dict()
+    assert f"{name!r} of parameter 0" in str(info.value)
+    assert "expected torch.bfloat16" in str(info.value)
+
+
+def test_missing_te_attribute_names_version_and_attribute() -> None:
+    opt = make_optimizer(model_params(torch.float32), moments=torch.bfloat16)
+    train(opt)
+    del opt._scales
+    with export_placement("cpu"), pytest.raises(te_adapter.ContractError) as info:
+        opt.state_dict()
+    message = str(info.value)
+    assert "_scales" in message and "transformer_engine" in message
+    assert "export_placement(None)" in message
+
+
+def test_materialize_copy_owns_storage_of_views() -> None:
+    base = torch.arange(40, dtype=torch.float32)
+    view = base[10:30].view(4, 5)
+    out = materialize(StateSource(kind="copy", data=view))
+    assert torch.equal(out, view)
+    assert_owns_storage(out)
+    assert out.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+
+
+def test_materialize_scaled_and_fp8_arithmetic() -> None:
+    gen = torch.Generator().manual_seed(1)
+    raw16 = torch.randn(1000, generator=gen).half()
+    scale = torch.tensor([3.0e-5])
+    out = materialize(StateSource(kind="scaled", data=raw16, scale=scale))
+    assert torch.equal(out, raw16.float() * scale)
+    raw8 = torch.randint(0, 256, (1000,), generator=gen, dtype=torch.uint8)
+    raw8[raw8 & 0x7F == 0x7F] = 0  # drop e4m3 NaN encodings for a plain equality
+    out8 = materialize(
+        StateSource(kind="fp8", data=raw8, scale=scale, fp8_dtype=torch.float8_e4m3fn)
+    )
+    assert torch.equal(out8, raw8.view(torch.float8_e4m3fn).float() * scale)

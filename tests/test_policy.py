@@ -1,0 +1,253 @@
+"""Policy semantics: contextvars isolation, nesting, decorators, restore on error, validation."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from te_ckpt_placement import Placement, current_placement, export_placement
+
+
+def device() -> str | None:
+    p = current_placement()
+    return None if p is None else p.device
+
+
+def test_inactive_by_default() -> None:
+    assert current_placement() is None
+
+
+def test_context_manager_sets_and_restores() -> None:
+    with export_placement("cpu") as placement:
+        assert placement == Placement(device="cpu")
+        assert current_placement() == placement
+    assert current_placement() is None
+
+
+def test_nesting_restores_outer_and_none_forces_default() -> None:
+    with export_placement("cpu"):
+        with export_placement(None):
+            assert current_placement() == Placement(device=None)
+            assert not current_placement().streams
+            with export_placement("cpu", conversion="device"):
+                assert current_placement().conversion == "device"
+            assert device() is None
+        assert current_placement() == Placement(device="cpu")
+    assert current_placement() is None
+
+
+def test_restores_when_block_raises() -> None:
+    with pytest.raises(KeyError):
+        with export_placement("cpu"):
+            with export_placement(None):
+                raise KeyError("boom")
+    assert current_placement() is None
+
+    with export_placement("cpu"):
+        with pytest.raises(RuntimeError):
+            with export_placement(None):
+                raise RuntimeError
+        assert device() == "cpu"
+
+
+def test_same_object_reused_and_nested() -> None:
+    policy = export_placement("cpu")
+    with policy:
+        with policy:
+            assert device() == "cpu"
+        assert device() == "cpu"
+    assert current_placement() is None
+    with policy:
+        assert device() == "cpu"
+
+
+def test_exit_out_of_order_is_refused() -> None:
+    outer, inner = export_placement("cpu"), export_placement(None)
+    outer.__enter__()
+    inner.__enter__()
+    with pytest.raises(RuntimeError, match="out of order"):
+        outer.__exit__(None, None, None)
+    inner.__exit__(None, None, None)
+    outer.__exit__(None, None, None)
+    assert current_placement() is None
+
+
+def test_decorator_on_def() -> None:
+    @export_placement("cpu")
+    def save(x: int) -> tuple[int, str | None]:
+        return x, device()
+
+    assert save(3) == (3, "cpu")
+    assert save.__name__ == "save"
+    assert current_placement() is None
+
+
+def test_decorator_restores_on_exception() -> None:
+    @export_placement("cpu")
+    def fail() -> None:
+        assert device() == "cpu"
+        raise ValueError("x")
+
+    with pytest.raises(ValueError):
+        fail()
+    assert current_placement() is None
+
+
+def test_decorator_recursion_and_inner_override() -> None:
+    @export_placement(None)
+    def inner() -> str | None:
+        return device()
+
+    @export_placement("cpu")
+    def outer(n: int) -> list[str | None]:
+        seen = [device(), inner(), device()]
+        return seen + (outer(n - 1) if n else [])
+
+    assert outer(2) == ["cpu", None, "cpu"] * 3
+
+
+def test_decorator_on_async_def_spans_awaits() -> None:
+    @export_placement("cpu")
+    async def save() -> list[str | None]:
+        seen = [device()]
+        await asyncio.sleep(0)
+        seen.append(device())
+        return seen
+
+    async def main() -> tuple[list[str | None], str | None]:
+        result = await save()
+        return result, device()
+
+    assert asyncio.run(main()) == (["cpu", "cpu"], None)
+
+
+def test_decorator_on_async_def_restores_on_exception() -> None:
+    @export_placement("cpu")
+    async def fail() -> None:
+        await asyncio.sleep(0)
+        raise KeyError
+
+    async def main() -> str | None:
+        with pytest.raises(KeyError):
+            await fail()
+        return device()
+
+    assert asyncio.run(main()) is None
+
+
+def test_decorating_a_generator_is_refused() -> None:
+    def gen():  # type: ignore[no-untyped-def]
+        yield 1
+
+    with pytest.raises(TypeError, match="generator"):
+        export_placement("cpu")(gen)
+
+
+def test_threads_see_only_their_own_policy() -> None:
+    barrier = threading.Barrier(8)
+    seen: dict[int, list[str | None]] = {}
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            mine = "cpu" if i % 2 else None
+            out = [device()]
+            with export_placement(mine):
+                barrier.wait()  # all threads are inside their policy at once
+                out.append(device())
+                barrier.wait()
+            out.append(device())
+            seen[i] = out
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    with export_placement("cpu"):  # the main thread's policy does not leak into workers
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert device() == "cpu"
+    assert not errors
+    for i in range(8):
+        assert seen[i] == [None, "cpu" if i % 2 else None, None]
+
+
+def test_shared_decorated_function_across_threads() -> None:
+    barrier = threading.Barrier(4)
+
+    @export_placement("cpu")
+    def save() -> str | None:
+        barrier.wait()
+        return device()
+
+    results: list[str | None] = []
+    threads = [threading.Thread(target=lambda: results.append(save())) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == ["cpu"] * 4
+
+
+def test_asyncio_tasks_are_isolated() -> None:
+    async def task(i: int) -> list[str | None]:
+        mine = "cpu" if i % 2 else None
+        with export_placement(mine):
+            await asyncio.sleep(0.001 * (i % 3))
+            first = device()
+            await asyncio.sleep(0)
+            second = device()
+        return [first, second, device()]
+
+    async def main() -> list[list[str | None]]:
+        with export_placement("cpu"):
+            # Tasks copy the context at creation: each starts under "cpu", then sets its own.
+            return await asyncio.gather(*(task(i) for i in range(100)))
+
+    results = asyncio.run(main())
+    for i, r in enumerate(results):
+        mine = "cpu" if i % 2 else None
+        assert r == [mine, mine, "cpu"]
+
+
+@pytest.mark.parametrize("bad", ["cuda:7", "tpu", "", "CPU", "cuda", torch.device("cuda", 0), 0])
+def test_invalid_device_names_valid_values(bad: object) -> None:
+    with pytest.raises(ValueError, match=r"valid values are 'cpu'.*None"):
+        export_placement(bad)  # type: ignore[arg-type]
+    assert current_placement() is None
+
+
+@pytest.mark.parametrize("bad", ["gpu", None, 1, ""])
+def test_invalid_conversion_names_valid_values(bad: object) -> None:
+    with pytest.raises(ValueError, match=r"valid values are 'host'.*'device'"):
+        export_placement("cpu", conversion=bad)  # type: ignore[arg-type]
+
+
+def test_options_are_keyword_only() -> None:
+    with pytest.raises(TypeError):
+        export_placement("cpu", "device")  # type: ignore[misc]
+
+
+def test_placement_is_frozen_and_normalizes_device() -> None:
+    p = Placement(device=torch.device("cpu"))  # type: ignore[arg-type]
+    assert p.device == "cpu"
+    with pytest.raises(AttributeError):
+        p.device = None  # type: ignore[misc]
+
+
+def test_import_does_not_import_transformer_engine() -> None:
+    code = (
+        "import sys, te_ckpt_placement as t\n"
+        "with t.export_placement('cpu'): pass\n"
+        "assert not [m for m in sys.modules if m.startswith('transformer_engine')], 'imported TE'\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
