@@ -61,6 +61,19 @@ def _host_copy(src: torch.Tensor) -> torch.Tensor:
     return out
 
 
+CANONICAL_NAN_BITS = 0x7FFFFFFF
+
+
+def _canonicalize_nan(out: torch.Tensor) -> None:
+    # A CUDA FP32 multiply (mul.f32) returns the canonical NaN 0x7FFFFFFF for any NaN result; an
+    # x86 multiply keeps a NaN operand's payload and makes 0xFFC00000 of inf * 0. Only NaNs
+    # differ (checked exhaustively on an H200), so rewriting them makes the host result equal
+    # TE's GPU result bit for bit.
+    nan = out.isnan()
+    if bool(nan.any()):
+        out.view(torch.int32)[nan] = CANONICAL_NAN_BITS
+
+
 def materialize(source: StateSource) -> torch.Tensor:
     """Produces the exported host tensor for one state.
 
@@ -92,6 +105,7 @@ def materialize(source: StateSource) -> torch.Tensor:
         out = torch.empty_like(raw, dtype=torch.float32)
         out.copy_(raw)
         out.mul_(source.scale.to("cpu", copy=False))
+        _canonicalize_nan(out)
         return out
     raise ValueError(f"unknown state kind {source.kind!r}")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Iterator
 from typing import Any
@@ -84,6 +85,23 @@ def test_device_conversion_is_exact_and_bounded_by_4m(mode: Mode) -> None:
 
 # Scale factors that reach every class of FP32 result: normal, subnormal, zero and overflow.
 SCALES = [1.0, 3.0517578e-05, 7.1e-3, 1.3e-30, 1.1754944e-38, 2.0e-41, 3.0e35, 0.0]
+SCALES += [float("inf"), float("nan"), -2.5]
+
+
+def test_bf16_upcast_exhaustive_against_te() -> None:
+    from transformer_engine.pytorch.optimizers import FusedAdam
+
+    bf16 = torch.bfloat16
+    param = torch.nn.Parameter(torch.zeros(1 << 16, device="cuda", dtype=bf16))
+    opt = FusedAdam([param], exp_avg_dtype=bf16, exp_avg_sq_dtype=bf16)
+    opt.initialize_state(param, False)
+    state = opt.state[param]["exp_avg"]
+    every = torch.arange(-(1 << 15), 1 << 15, device="cuda", dtype=torch.int32)
+    state.copy_(every.to(torch.int16).view(bf16))
+    expected = opt.get_unscaled_state(param, "exp_avg")
+    source = te_adapter.describe_state(opt, param, "exp_avg", state, Placement(), index=0)
+    assert source.kind == "upcast"
+    assert torch.equal(bits(materialize(source)), bits(expected))
 
 
 @pytest.mark.parametrize("kind", ["fp16", "fp8"])
@@ -114,10 +132,13 @@ def test_host_conversion_exhaustive_against_te_kernels(kind: str) -> None:
         )
         assert source.kind == ("scaled" if kind == "fp16" else "fp8")
         ours = materialize(source)
-        same = bits(ours).view(torch.int32) == bits(expected).view(torch.int32)
+        ours_bits, te_bits = bits(ours).view(torch.int32), bits(expected).view(torch.int32)
+        same = ours_bits == te_bits
+        differ = (~same).nonzero().flatten()[:4].tolist()
         assert bool(same.all()), (
-            f"{kind} scale={scale}: {int((~same).sum())} of {patterns} patterns differ, "
-            f"first at {int((~same).nonzero()[0])}"
+            f"{kind} scale={scale}: {int((~same).sum())} of {patterns} patterns differ, e.g. "
+            f"stored {differ}: ours {[hex(int(ours_bits[i]) & 0xFFFFFFFF) for i in differ]} "
+            f"TE {[hex(int(te_bits[i]) & 0xFFFFFFFF) for i in differ]}"
         )
 
 
@@ -163,7 +184,7 @@ def test_standin_matches_te(mode: Mode) -> None:
     assert twin.name_to_dtype_map == opt.name_to_dtype_map
     assert twin.store_param_remainders == opt.store_param_remainders
     for p, q in zip(params, twin_params, strict=True):
-        if not opt.state[p]:
+        if not opt.state.get(p):  # .get: indexing the defaultdict would add an empty state
             continue
         remainder = bool(opt.store_param_remainders and p.dtype == torch.bfloat16)
         twin.initialize_state(q, remainder)
@@ -190,10 +211,11 @@ def test_standin_matches_te(mode: Mode) -> None:
         if h["step"] is None:
             del h["step"]
     assert_same_export(twin.state_dict(), opt.state_dict())
-    # Load parity: both load TE's own export and end with the same storage.
+    # Load parity: both load TE's own export and end with the same storage. Each gets its own
+    # copy: TE's load scales FP16 states in place in the caller's FP32 tensors (L307, L548).
     exported = opt.state_dict()
+    twin.load_state_dict(copy.deepcopy(exported))
     opt.load_state_dict(exported)
-    twin.load_state_dict(exported)
     for p, q in zip(params, twin_params, strict=True):
         for name in opt.state[p]:
             assert_same_export(twin.get_unscaled_state(q, name), opt.get_unscaled_state(p, name))
