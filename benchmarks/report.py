@@ -1,0 +1,102 @@
+"""Turns committed benchmark JSON into the README's markdown table and its plot.
+
+Usage:
+    python benchmarks/report.py benchmarks/results/h200_export.json --plot benchmarks/results/h200_export.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+G = 1 << 30
+MI = 1 << 20
+LABELS = {
+    "te_default": "TE default",
+    "te_default_dcp_cpu_offload": "TE default + DCP cpu_offload",
+    "placement_cpu": 'export_placement("cpu") + DCP',
+}
+
+
+def load(path: Path) -> dict[str, Any]:
+    data = json.loads(path.read_text())
+    if not {"machine", "records"} <= set(data):
+        raise ValueError(f"{path}: expected a results file with 'machine' and 'records'")
+    return data
+
+
+def table(data: dict[str, Any], op: str = "export") -> str:
+    m = data["machine"]
+    lines = [
+        f"Measured on {m['gpu']} (driver {m['driver']}), torch {m['torch']}, "
+        f"Transformer Engine {m['transformer_engine']}; local state per rank, BF16 params, "
+        "FP32 master weights kept as int16 remainders.",
+        "",
+        "| moments | N | M | mode | extra GPU | GPU B/N | extra host | seconds |",
+        "|---|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for r in data["records"]:
+        if r.get("op") != op:
+            continue
+        lines.append(
+            f"| {r['moments']} | {r['n_elements'] / G:.2f} G | {r['max_elements'] / MI:.0f} M "
+            f"| {LABELS.get(r['mode'], r['mode'])} | {r['peak_extra_gpu_bytes'] / G:.2f} GiB "
+            f"| {r['peak_extra_gpu_bytes'] / r['n_elements']:.2f} "
+            f"| {r.get('peak_extra_host_bytes', 0) / G:.2f} GiB | {r.get('seconds', 0):.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(data: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [r for r in data["records"] if r.get("op") == "export" and r["moments"] == "bf16"]
+    fixed_m = [r for r in records if r["max_elements"] == 64 * MI]
+    fixed_n = [r for r in records if r["n_elements"] == G]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    panels = [
+        (axes[0][0], fixed_m, "n_elements", "peak_extra_gpu_bytes", "N (G elements), M = 64 M"),
+        (axes[0][1], fixed_n, "max_elements", "peak_extra_gpu_bytes", "M (M elements), N = 1 G"),
+        (axes[1][0], fixed_m, "n_elements", "seconds", "N (G elements), M = 64 M"),
+        (axes[1][1], fixed_n, "max_elements", "seconds", "M (M elements), N = 1 G"),
+    ]
+    for ax, rows, x_key, y_key, xlabel in panels:
+        for mode, label in LABELS.items():
+            pts = sorted((r[x_key], r[y_key]) for r in rows if r["mode"] == mode)
+            if not pts:
+                continue
+            scale_x = G if x_key == "n_elements" else MI
+            scale_y = G if y_key.endswith("bytes") else 1
+            ax.plot(
+                [x / scale_x for x, _ in pts], [y / scale_y for _, y in pts], marker="o", label=label
+            )
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("peak extra GPU (GiB)" if y_key.endswith("bytes") else "export time (s)")
+        if x_key == "max_elements":
+            ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    m = data["machine"]
+    fig.suptitle(f"TE FusedAdam export, BF16 moments: {m['gpu']}, TE {m['transformer_engine']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("results", type=Path)
+    parser.add_argument("--plot", type=Path, default=None)
+    args = parser.parse_args()
+    data = load(args.results)
+    print(table(data))
+    if args.plot is not None:
+        plot(data, args.plot)
+
+
+if __name__ == "__main__":
+    main()
