@@ -124,7 +124,7 @@ def to_cpu_dtensor(local: torch.Tensor, like: DTensor) -> DTensor:
     return DTensor(local, spec, requires_grad=False)  # type: ignore[call-arg]
 
 
-def _indexed_params(
+def indexed_params(
     saved_groups: list[dict[str, Any]], groups: list[dict[str, Any]]
 ) -> dict[int, torch.Tensor]:
     # The same pairing as torch's and TE's state_dict: saved indices in group order.
@@ -141,7 +141,7 @@ def iter_exportable(
     state_dict: Mapping[str, Any], param_groups: list[dict[str, Any]]
 ) -> Iterator[tuple[Any, torch.Tensor, Mapping[str, Any]]]:
     """Yields ``(key, param, stored_states)`` for each state entry that belongs to a parameter."""
-    id_map = _indexed_params(state_dict["param_groups"], param_groups)
+    id_map = indexed_params(state_dict["param_groups"], param_groups)
     for key, value in list(state_dict["state"].items()):
         if key in id_map:
             yield key, id_map[key], value

@@ -19,7 +19,10 @@ __all__ = ["FusedAdam"]
 
 
 class FusedAdam(_TEFusedAdam):
-    """Transformer Engine ``FusedAdam`` whose ``state_dict()`` follows ``state_dict_placement``.
+    """Transformer Engine ``FusedAdam`` whose checkpoints follow ``state_dict_placement``.
+
+    ``state_dict()`` and ``load_state_dict()`` stream through host memory when the policy in
+    effect (an active :func:`export_placement`, else ``state_dict_placement``) says ``"cpu"``.
 
     The signature is TE 2.20.2's, spelled out with no ``**kwargs``: YAML trainers that see
     ``**kwargs`` inject ``foreach=False``, which TE rejects.
@@ -92,10 +95,16 @@ class FusedAdam(_TEFusedAdam):
 
     def state_dict(self) -> dict[str, Any]:
         """TE's ``state_dict()``, streamed to host memory when the policy in effect says so."""
-        return te_adapter.placed_state_dict(self, _TEFusedAdam, _te_state_dict)
+        return te_adapter.placed_state_dict(self, _TEFusedAdam, _te_method("state_dict"))
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """TE's ``load_state_dict()``, one state at a time when the policy in effect says so."""
+        te_adapter.placed_load_state_dict(
+            self, state_dict, _TEFusedAdam, _te_method("load_state_dict")
+        )
 
 
-def _te_state_dict(optimizer: _TEFusedAdam) -> Any:
+def _te_method(name: str) -> Any:
     # TE's method as TE wrote it, also when te_ckpt_placement.install() has hooked the class.
-    method = _TEFusedAdam.__dict__["state_dict"]
-    return getattr(method, te_adapter.MARK, method)(optimizer)
+    method = _TEFusedAdam.__dict__[name]
+    return getattr(method, te_adapter.MARK, method)

@@ -49,7 +49,7 @@ STATE_NAMES = ("exp_avg", "exp_avg_sq", "master_param")
 
 # Instance attributes of FusedAdam that the export reads (see the module docstring).
 _REQUIRED_INSTANCE_ATTRS = ("name_to_dtype_map", "_scales", "store_param_remainders")
-_REQUIRED_CLASS_ATTRS = ("state_dict", "get_unscaled_state")
+_REQUIRED_CLASS_ATTRS = ("state_dict", "load_state_dict", "get_unscaled_state", "set_scaled_state")
 _FP8_DTYPES = {"kFloat8E4M3": torch.float8_e4m3fn, "kFloat8E5M2": torch.float8_e5m2}
 
 MARK = "__te_ckpt_placement_original__"
@@ -102,6 +102,15 @@ def _fp8_torch_dtype(fp8_dtype: object) -> torch.dtype | None:
     return _FP8_DTYPES.get(getattr(fp8_dtype, "name", str(fp8_dtype)).split(".")[-1])
 
 
+def _is_remainder(optimizer: Any, param: torch.Tensor, name: str) -> bool:
+    """True where TE keeps the FP32 master as int16 remainders of a BF16 param (L217, L340)."""
+    return bool(
+        optimizer.store_param_remainders
+        and name == "master_param"
+        and param.dtype == torch.bfloat16
+    )
+
+
 def _state_error(param_index: object, name: str, problem: str) -> ValueError:
     return ValueError(f"optimizer state {name!r} of parameter {param_index}: {problem}")
 
@@ -139,11 +148,7 @@ def describe_state(
         scale = optimizer._scales[param][name]
         return engine.StateSource(kind="scaled", data=local, scale=scale)
     if dtype == torch.float32:
-        remainder = (
-            optimizer.store_param_remainders
-            and name == "master_param"
-            and param.dtype == torch.bfloat16
-        )
+        remainder = _is_remainder(optimizer, param, name)
         expected = torch.int16 if remainder else torch.float32
         if local.dtype != expected:
             raise _state_error(index, name, f"stored as {local.dtype}, expected {expected}")
@@ -177,6 +182,163 @@ def stream_state_dict(optimizer: Any, placement: Placement, owner: type) -> dict
     return engine.export_optimizer_state(state_dict, plan)
 
 
+def _load_error(index: object, name: str | None, problem: str) -> ValueError:
+    what = f"state {name!r} of parameter {index}" if name else f"parameter {index}"
+    return ValueError(
+        f"cannot load the optimizer checkpoint: {what}: {problem}. Nothing was loaded; the "
+        "optimizer is unchanged."
+    )
+
+
+def _param_local(param: torch.Tensor) -> torch.Tensor:
+    return param._local_tensor if isinstance(param, DTensor) else param
+
+
+def plan_load(
+    optimizer: Any, state_dict: Any
+) -> tuple[dict[Any, torch.Tensor], list[tuple[Any, torch.Tensor, dict[str, torch.Tensor]]]]:
+    """Validates a checkpoint against the optimizer without touching either.
+
+    Checks what torch's and TE's ``load_state_dict`` would check, and what they would silently get
+    wrong: group layout, state names, local shapes, and int16 remainders against FP32 masters.
+
+    Returns:
+        ``id_map`` (saved index to param) and ``[(index, param, {name: value})]`` to load.
+    """
+    if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
+        raise ValueError(
+            "cannot load the optimizer checkpoint: expected a dict with 'state' and "
+            "'param_groups', as FusedAdam.state_dict() returns. Nothing was loaded."
+        )
+    groups, saved_groups = optimizer.param_groups, state_dict["param_groups"]
+    if len(groups) != len(saved_groups):
+        raise ValueError(
+            f"loaded state dict has a different number of parameter groups ({len(saved_groups)}, "
+            f"the optimizer has {len(groups)}). Nothing was loaded."
+        )
+    for i, (g, s) in enumerate(zip(groups, saved_groups, strict=True)):
+        if len(g["params"]) != len(s["params"]):
+            raise ValueError(
+                f"loaded state dict contains a parameter group ({i}) that doesn't match the size "
+                f"of optimizer's group ({len(s['params'])} != {len(g['params'])}). "
+                "Nothing was loaded."
+            )
+    id_map = engine.indexed_params(saved_groups, groups)
+    plan = []
+    for index, states in state_dict["state"].items():
+        if index not in id_map:
+            continue  # kept as is, like torch; TE ignores it
+        param = id_map[index]
+        if not isinstance(states, dict):
+            raise _load_error(index, None, f"expected a dict of states, found {type(states)}")
+        entries: dict[str, torch.Tensor] = {}
+        for name, value in states.items():
+            if value is None:
+                continue
+            if name not in optimizer.name_to_dtype_map:
+                raise _load_error(index, name, f"TE FusedAdam keeps only {', '.join(STATE_NAMES)}")
+            if not isinstance(value, torch.Tensor):
+                raise _load_error(index, name, f"expected a tensor, found {type(value).__name__}")
+            both_sharded = isinstance(value, DTensor) and isinstance(param, DTensor)
+            if both_sharded and tuple(value.placements) != tuple(param.placements):
+                raise _load_error(
+                    index,
+                    name,
+                    f"sharded as {tuple(value.placements)}, the parameter as "
+                    f"{tuple(param.placements)}; load it through DCP, which reshards",
+                )
+            local = value._local_tensor if isinstance(value, DTensor) else value
+            expected = tuple(_param_local(param).shape)
+            if tuple(local.shape) != expected:
+                raise _load_error(
+                    index,
+                    name,
+                    f"local shape {tuple(local.shape)} does not match the parameter's {expected}",
+                )
+            remainder = _is_remainder(optimizer, param, name)
+            if remainder and local.dtype != torch.int16:
+                raise _load_error(
+                    index,
+                    name,
+                    f"stored as {local.dtype}, but this optimizer keeps int16 remainders "
+                    "(store_param_remainders=True); load with the setting the checkpoint was "
+                    "saved with",
+                )
+            if not remainder and not local.is_floating_point():
+                raise _load_error(
+                    index,
+                    name,
+                    f"stored as {local.dtype}, but this optimizer keeps floating-point states"
+                    + (
+                        " (an int16 master_param comes from store_param_remainders=True)"
+                        if local.dtype == torch.int16
+                        else ""
+                    ),
+                )
+            entries[name] = value
+        plan.append((index, param, entries))
+    return id_map, plan
+
+
+def _reusable(optimizer: Any, param: torch.Tensor, name: str, live: Any) -> Any:
+    """The live state tensor to write into, or None when TE must allocate a new one."""
+    if live is None or isinstance(live, DTensor) != isinstance(param, DTensor):
+        return None
+    local = live._local_tensor if isinstance(live, DTensor) else live
+    dtype = optimizer.name_to_dtype_map[name]
+    remainder = _is_remainder(optimizer, param, name)
+    stored = getattr(local, "_data", None) if dtype == torch.uint8 else local
+    expected = torch.uint8 if dtype == torch.uint8 else (torch.int16 if remainder else dtype)
+    if stored is None or stored.dtype != expected:
+        return None
+    if tuple(stored.shape) != tuple(_param_local(param).shape):
+        return None
+    if dtype != torch.float32 and name not in optimizer._scales.get(param, {}):
+        return None
+    return live
+
+
+def stream_load_state_dict(optimizer: Any, state_dict: Any, owner: type) -> None:
+    """TE's ``load_state_dict`` (L515-548) without torch's bulk cast of every state to the GPU.
+
+    Every state goes from the checkpoint into the live state one at a time, through TE's own
+    ``set_scaled_state``, so the result is TE's bit for bit. Live tensors are written in place
+    where shape and dtype match. The checkpoint is never modified.
+    """
+    check_contract(optimizer)
+    _, plan = plan_load(optimizer, state_dict)
+    # Capture the live states before torch replaces optimizer.state.
+    live = {param: dict(optimizer.state.get(param, {})) for _, param, _ in plan}
+    planned = {index for index, _, _ in plan}
+    # torch handles param_groups, hooks and unknown keys; each param's entry is an empty dict, so
+    # it casts nothing but keeps the entry order TE's load would produce.
+    stripped = dict(state_dict)
+    stripped["state"] = {k: ({} if k in planned else v) for k, v in state_dict["state"].items()}
+    super(owner, optimizer).load_state_dict(stripped)
+    for _, param, entries in plan:
+        state: dict[str, Any] = {}
+        optimizer.state[param] = state
+        for name, value in entries.items():
+            reuse = _reusable(optimizer, param, name, live[param].get(name))
+            if reuse is not None:
+                state[name] = reuse
+                if optimizer.name_to_dtype_map[name] != torch.float32:
+                    # TE's load starts every scale from a fresh torch.ones (L452).
+                    optimizer._scales[param][name].fill_(1.0)
+            local = value._local_tensor if isinstance(value, DTensor) else value
+            remainder = _is_remainder(optimizer, param, name)
+            if remainder:
+                optimizer.set_scaled_state(param, name, local)
+                continue
+            unscaled = local.float()
+            if unscaled is local and unscaled.device == _param_local(param).device:
+                # TE scales FP16/FP8 inputs in place (L307); never in the caller's tensor.
+                unscaled = unscaled.clone()
+            optimizer.set_scaled_state(param, name, unscaled)
+            del unscaled
+        live[param].clear()
+
+
 def placed_state_dict(optimizer: Any, owner: type, original: Callable[[Any], Any]) -> Any:
     """Runs ``original`` (TE's own export) or the streaming export, as the policy says."""
     placement = resolve_placement(optimizer)
@@ -185,33 +347,52 @@ def placed_state_dict(optimizer: Any, owner: type, original: Callable[[Any], Any
     return stream_state_dict(optimizer, placement, owner)
 
 
+def placed_load_state_dict(
+    optimizer: Any, state_dict: Any, owner: type, original: Callable[[Any, Any], Any]
+) -> Any:
+    """Runs ``original`` (TE's own load) or the streaming load, as the policy says."""
+    placement = resolve_placement(optimizer)
+    if placement is None or not placement.streams:
+        return original(optimizer, state_dict)
+    return stream_load_state_dict(optimizer, state_dict, owner)
+
+
 def patch_class(cls: type) -> None:
-    """Makes ``cls.state_dict`` follow the policy. Idempotent and thread-safe."""
+    """Makes ``cls.state_dict`` and ``cls.load_state_dict`` follow the policy.
+
+    Idempotent and thread-safe.
+    """
     with _lock:
-        current = cls.__dict__.get("state_dict")
-        if current is not None and hasattr(current, MARK):
+        if is_patched(cls):
             return
         missing = _missing(cls, _REQUIRED_CLASS_ATTRS)
         if missing:
             _raise_contract(cls.__qualname__, missing)
-        original = cls.__dict__.get("state_dict", cls.state_dict)
+        original_save = cls.__dict__.get("state_dict", cls.state_dict)
+        original_load = cls.__dict__.get("load_state_dict", cls.load_state_dict)  # type: ignore[attr-defined]
 
         def state_dict(self: Any) -> Any:
-            return placed_state_dict(self, cls, original)
+            return placed_state_dict(self, cls, original_save)
 
-        state_dict.__doc__ = original.__doc__
-        state_dict.__name__ = "state_dict"
-        state_dict.__qualname__ = f"{cls.__qualname__}.state_dict"
-        setattr(state_dict, MARK, original)
+        def load_state_dict(self: Any, state_dict: Any) -> Any:
+            return placed_load_state_dict(self, state_dict, cls, original_load)
+
+        for hook, original in ((state_dict, original_save), (load_state_dict, original_load)):
+            hook.__doc__ = original.__doc__
+            hook.__qualname__ = f"{cls.__qualname__}.{hook.__name__}"
+            setattr(hook, MARK, original)
+        # load_state_dict first: a reader that sees the hooked state_dict sees both hooked.
+        cls.load_state_dict = load_state_dict  # type: ignore[attr-defined]
         cls.state_dict = state_dict  # type: ignore[attr-defined]
 
 
 def unpatch_class(cls: type) -> None:
-    """Restores ``cls.state_dict`` to what it was before :func:`patch_class`."""
+    """Restores what :func:`patch_class` replaced."""
     with _lock:
-        current = cls.__dict__.get("state_dict")
-        if current is not None and hasattr(current, MARK):
-            cls.state_dict = getattr(current, MARK)  # type: ignore[attr-defined]
+        for name in ("state_dict", "load_state_dict"):
+            current = cls.__dict__.get(name)
+            if current is not None and hasattr(current, MARK):
+                setattr(cls, name, getattr(current, MARK))
 
 
 def is_patched(cls: type) -> bool:

@@ -80,11 +80,13 @@ def snapshot(optimizer: torch.optim.Optimizer) -> dict[Any, dict[str, torch.Tens
     for p, states in optimizer.state.items():
         out[p] = {}
         for name, value in states.items():
-            v = local(value)
+            v = local(value) if isinstance(value, torch.Tensor) else value
             if hasattr(v, "_data"):
                 out[p][name] = torch.cat([bits(v._data), bits(v._scale_inv)])
-            else:
+            elif isinstance(v, torch.Tensor):
                 out[p][name] = bits(v).clone()
+            else:  # torch keeps entries of unknown keys as they are
+                out[p][name] = torch.tensor([hash(repr(v))])
     return out
 
 
