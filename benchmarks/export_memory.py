@@ -180,8 +180,8 @@ def verify(sd: dict[str, Any], model: Any, opt: Any) -> list[str]:
     return sorted(devices)
 
 
-def measure(mode: str, model: Any, opt: Any) -> dict[str, Any]:
-    fn = export_fn(mode, model, opt)
+def timed(fn: Callable[[], Any]) -> tuple[Any, dict[str, Any]]:
+    """Runs ``fn`` once: its result, GPU peak above the start, host RSS peak, seconds."""
     gc.collect()
     torch.cuda.synchronize()
     gpu_base = torch.cuda.memory_allocated()
@@ -189,47 +189,172 @@ def measure(mode: str, model: Any, opt: Any) -> dict[str, Any]:
     host_base = rss()
     with HostPeak() as host:
         start = time.perf_counter()
-        sd = fn()
+        out = fn()
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-    gpu_peak = torch.cuda.max_memory_allocated() - gpu_base
-    devices = verify(sd, model, opt)  # correctness before any number is kept
-    del sd
-    gc.collect()
-    return {
-        "peak_extra_gpu_bytes": gpu_peak,
+    return out, {
+        "peak_extra_gpu_bytes": torch.cuda.max_memory_allocated() - gpu_base,
         "peak_extra_host_bytes": host.peak - host_base,
         "seconds": seconds,
-        "output_devices": devices,
     }
 
 
-def run_case(n: int, m: int, moments: str, modes: tuple[str, ...]) -> list[dict[str, Any]]:
+def measure(mode: str, model: Any, opt: Any) -> dict[str, Any]:
+    sd, result = timed(export_fn(mode, model, opt))
+    result["output_devices"] = verify(sd, model, opt)  # correctness before numbers are kept
+    del sd
+    gc.collect()
+    return result
+
+
+def state_bytes(opt: Any) -> tuple[int, int]:
+    """R, the raw bytes of the stored local states, and O, the bytes of the FP32 export."""
+    from torch.distributed.tensor import DTensor
+
+    raw = out = 0
+    for states in opt.state.values():
+        for name, value in states.items():
+            local = value._local_tensor if isinstance(value, DTensor) else value
+            stored = getattr(local, "_data", local)
+            raw += stored.numel() * stored.element_size()
+            remainder = stored.dtype == torch.int16 and name == "master_param"
+            out += stored.numel() * (2 if remainder else 4)
+    return raw, out
+
+
+def live_fingerprint(opt: Any) -> list[torch.Tensor]:
+    """The raw bytes of every live state, on the host (for comparing two loads)."""
+    from torch.distributed.tensor import DTensor
+
+    prints = []
+    for param, states in opt.state.items():
+        for value in states.values():
+            local = value._local_tensor if isinstance(value, DTensor) else value
+            prints.append(getattr(local, "_data", local).cpu())
+        prints.extend(s.cpu() for s in opt._scales.get(param, {}).values())
+    return prints
+
+
+def run_case(
+    n: int, m: int, moments: str, modes: tuple[str, ...], ops: tuple[str, ...], bw: dict[str, float]
+) -> list[dict[str, Any]]:
+    from te_ckpt_placement import export_placement
+
     model, opt = build(n, m, MOMENTS[moments])
     local = sum(p.numel() for p in model.parameters())
     largest = max(p.numel() for p in model.parameters())
+    raw_bytes, out_bytes = state_bytes(opt)
+    base = {
+        "moments": moments,
+        "n_elements": local,
+        "max_elements": largest,
+        "n_params": len(list(model.parameters())),
+        "raw_bytes": raw_bytes,
+        "output_bytes": out_bytes,
+        "d2h_bytes_per_s": bw["d2h"],
+        "host_fresh_bytes_per_s": bw["fresh"],
+        "host_warm_bytes_per_s": bw["warm"],
+    }
+    bound_first = max(raw_bytes / bw["d2h"], out_bytes / bw["fresh"])
+    bound_repeat = max(raw_bytes / bw["d2h"], out_bytes / bw["warm"])
     records = []
-    for mode in modes:
-        result = measure(mode, model, opt)
-        records.append(
-            {
-                "op": "export",
-                "mode": mode,
-                "moments": moments,
-                "n_elements": local,
-                "max_elements": largest,
-                "n_params": len(list(model.parameters())),
-                **result,
-                "gpu_bytes_per_n": result["peak_extra_gpu_bytes"] / local,
-                "gpu_bytes_per_m": result["peak_extra_gpu_bytes"] / largest,
-                "host_bytes_per_n": result["peak_extra_host_bytes"] / local,
-            }
-        )
-        print(format_row(records[-1]), flush=True)
-    del model, opt
-    gc.collect()
-    torch.cuda.empty_cache()
+
+    def add(op: str, mode: str, result: dict[str, Any], **extra: Any) -> None:
+        rec = {"op": op, "mode": mode, **base, **result, **extra}
+        rec["gpu_bytes_per_n"] = rec["peak_extra_gpu_bytes"] / local
+        rec["gpu_bytes_per_m"] = rec["peak_extra_gpu_bytes"] / largest
+        rec["host_bytes_per_n"] = rec["peak_extra_host_bytes"] / local
+        if "bound_seconds" in rec:
+            rec["seconds_over_bound"] = rec["seconds"] / rec["bound_seconds"]
+        records.append(rec)
+        print(format_row(rec), flush=True)
+
+    if "export" in ops:
+        for mode in modes:
+            if mode == "placement_cpu":
+                for repeat in (False, True):
+                    bound = bound_repeat if repeat else bound_first
+                    add(
+                        "export",
+                        mode,
+                        measure(mode, model, opt),
+                        repeat=repeat,
+                        bound_seconds=bound,
+                    )
+            else:
+                add(
+                    "export",
+                    mode,
+                    measure(mode, model, opt),
+                    repeat=False,
+                    bound_seconds=bound_first,
+                )
+
+    if "load" in ops:
+        with export_placement("cpu"):
+            checkpoint = opt.state_dict()
+        reference = None
+        for mode in ("te_default", "placement_cpu"):
+            policy = export_placement(None if mode == "te_default" else "cpu")
+
+            def load(policy: Any = policy) -> None:
+                with policy:
+                    opt.load_state_dict(checkpoint)
+
+            _, result = timed(load)
+            prints = live_fingerprint(opt)
+            if reference is None:
+                reference = prints
+            else:  # the policy's load must leave exactly what TE's load leaves
+                assert len(prints) == len(reference)
+                assert all(torch.equal(a, b) for a, b in zip(prints, reference, strict=True))
+            del prints
+            add("load", mode, result, bound_seconds=raw_bytes / bw["h2d"])
     return records
+
+
+def bandwidths(nbytes: int = 2 * G, repeats: int = 3) -> dict[str, float]:
+    """B_d2h and B_h2d (pinned), B_fresh and B_warm (host writes), measured in this process."""
+    from te_ckpt_placement.engine import empty_host
+
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def best(fn: Callable[[], None]) -> float:
+        times = []
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return nbytes / min(times)
+
+    d2h = best(lambda: pinned.copy_(dev, non_blocking=True))
+    h2d = best(lambda: dev.copy_(pinned, non_blocking=True))
+    src = torch.ones(nbytes // 4)  # warm FP32 source, as the conversion writes FP32
+
+    def fresh() -> None:
+        empty_host(src.shape, torch.float32).copy_(src)
+
+    fresh_rate = best(fresh)
+    from te_ckpt_placement import engine
+
+    advice, engine.HUGEPAGES = engine.HUGEPAGES, not engine.HUGEPAGES
+    try:
+        other_rate = best(fresh)  # the same writes with the other page-size choice, for NOTES.md
+    finally:
+        engine.HUGEPAGES = advice
+    warm_out = torch.empty_like(src)
+    warm_out.copy_(src)
+    warm_rate = best(lambda: warm_out.copy_(src))
+    return {
+        "d2h": d2h,
+        "h2d": h2d,
+        "fresh": fresh_rate,
+        "fresh_other_page_advice": other_rate,
+        "warm": warm_rate,
+    }
 
 
 def warm_host(nbytes: int) -> None:
@@ -242,26 +367,32 @@ def warm_host(nbytes: int) -> None:
 
 
 HEADER = (
-    f"{'moments':>7} {'N':>6} {'M':>6} {'mode':<27} {'GPU extra':>10} {'B/N':>6} "
-    f"{'host extra':>10} {'seconds':>8}"
+    f"{'op':<6} {'moments':>7} {'N':>6} {'M':>6} {'mode':<27} {'GPU extra':>10} {'B/N':>6} "
+    f"{'host extra':>10} {'seconds':>8} {'T*':>6} {'x T*':>5}"
 )
 
 
 def format_row(r: dict[str, Any]) -> str:
+    mode = r["mode"] + (" (repeat)" if r.get("repeat") else "")
     return (
-        f"{r['moments']:>7} {r['n_elements'] / G:>5.2f}G {r['max_elements'] / MI:>5.0f}M "
-        f"{r['mode']:<27} {r['peak_extra_gpu_bytes'] / G:>8.3f}GB {r['gpu_bytes_per_n']:>6.2f} "
-        f"{r['peak_extra_host_bytes'] / G:>8.2f}GB {r['seconds']:>8.2f}"
+        f"{r['op']:<6} {r['moments']:>7} {r['n_elements'] / G:>5.2f}G "
+        f"{r['max_elements'] / MI:>5.0f}M {mode:<27} {r['peak_extra_gpu_bytes'] / G:>8.3f}GB "
+        f"{r['gpu_bytes_per_n']:>6.2f} {r['peak_extra_host_bytes'] / G:>8.2f}GB "
+        f"{r['seconds']:>8.2f} {r.get('bound_seconds', 0):>6.2f} "
+        f"{r.get('seconds_over_bound', 0):>5.2f}"
     )
 
 
-def cases(sweep: str) -> list[tuple[int, int, str]]:
+def cases(sweep: str) -> list[tuple[int, int, str, tuple[str, ...]]]:
+    """(N, M, moments, ops) per case."""
+    both = ("export", "load")
     if sweep == "default":
-        return [(G // 2, 64 * MI, "bf16")]
+        return [(G // 2, 64 * MI, "bf16", both)]
     if sweep == "full":
-        n_sweep = [(n, 64 * MI, "bf16") for n in (G // 2, G, 2 * G, 4 * G)]
-        m_sweep = [(G, m, "bf16") for m in (16 * MI, 256 * MI, G)]
-        dtypes = [(G, 64 * MI, d) for d in ("fp16", "fp8", "fp32")]
+        n_sweep = [(n, 64 * MI, "bf16", both) for n in (G // 2, G, 2 * G)]
+        n_sweep.append((4 * G, 64 * MI, "bf16", ("export",)))
+        m_sweep = [(G, m, "bf16", both) for m in (16 * MI, 256 * MI, G)]
+        dtypes = [(G, 64 * MI, d, both) for d in ("fp16", "fp8", "fp32")]
         return n_sweep + m_sweep + dtypes
     raise ValueError(f"unknown sweep {sweep!r}; valid: default, full")
 
@@ -270,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sweep", choices=("default", "full"), default="default")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset")
+    parser.add_argument("--ops", default="export,load", help="export, load or both")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: none)")
     args = parser.parse_args(argv)
     missing = requirements_missing()
@@ -287,13 +419,22 @@ def main(argv: list[str] | None = None) -> int:
     for m in modes:
         if m not in MODES:
             parser.error(f"unknown mode {m!r}; valid: {', '.join(MODES)}")
-    plan = cases(args.sweep)
-    warm_host(min(64 * G, 10 * max(n for n, _, _ in plan)))
+    ops = tuple(o for o in args.ops.split(",") if o)
+    plan = [
+        (n, m, d, tuple(o for o in case_ops if o in ops)) for n, m, d, case_ops in cases(args.sweep)
+    ]
+    warm_host(min(64 * G, 12 * max(n for n, _, _, _ in plan)))
+    bw = bandwidths()
+    print(
+        "bandwidths (GB/s): " + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in bw.items()), flush=True
+    )
     print(HEADER, flush=True)
     records = []
-    for n, m, moments in plan:
-        records.extend(run_case(n, m, moments, modes))
-    result = {"machine": machine(), "records": records}
+    for n, m, moments, case_ops in plan:
+        records.extend(run_case(n, m, moments, modes, case_ops, bw))
+        gc.collect()
+        torch.cuda.empty_cache()
+    result = {"machine": machine(), "bandwidths_bytes_per_s": bw, "records": records}
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")

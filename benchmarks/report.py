@@ -1,7 +1,8 @@
 """Turns committed benchmark JSON into the README's markdown table and its plot.
 
 Usage:
-    python benchmarks/report.py benchmarks/results/h200_export.json --plot benchmarks/results/h200_export.png
+    python benchmarks/report.py benchmarks/results/h200_export.json \
+        --plot benchmarks/results/h200_export.png
 """
 
 from __future__ import annotations
@@ -73,7 +74,10 @@ def plot(data: dict[str, Any], path: Path) -> None:
             scale_x = G if x_key == "n_elements" else MI
             scale_y = G if y_key.endswith("bytes") else 1
             ax.plot(
-                [x / scale_x for x, _ in pts], [y / scale_y for _, y in pts], marker="o", label=label
+                [x / scale_x for x, _ in pts],
+                [y / scale_y for _, y in pts],
+                marker="o",
+                label=label,
             )
         ax.set_xlabel(xlabel)
         ax.set_ylabel("peak extra GPU (GiB)" if y_key.endswith("bytes") else "export time (s)")

@@ -10,7 +10,12 @@ host and converted there, so the device memory of the export is zero, except for
 
 from __future__ import annotations
 
+import ctypes
+import os
+import sys
+import threading
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any, Literal
@@ -24,7 +29,10 @@ __all__ = [
     "StateSource",
     "export_optimizer_state",
     "iter_exportable",
+    "clear_pinned_pool",
+    "empty_host",
     "materialize",
+    "pinned_pool_bytes",
     "to_cpu_dtensor",
 ]
 
@@ -52,15 +60,6 @@ class StateSource:
     on_device: Callable[[], torch.Tensor] | None = None
 
 
-def _host_copy(src: torch.Tensor) -> torch.Tensor:
-    # empty_like keeps the strides of a dense source, so the device-to-host copy is one memcpy
-    # and never needs a contiguous temporary on the device. It also gives the result a storage of
-    # exactly its own size, which DCP's writer needs to skip its defensive clone.
-    out = torch.empty_like(src, device="cpu")
-    out.copy_(src)
-    return out
-
-
 CANONICAL_NAN_BITS = 0x7FFFFFFF
 
 
@@ -74,6 +73,182 @@ def _canonicalize_nan(out: torch.Tensor) -> None:
         out.view(torch.int32)[nan] = CANONICAL_NAN_BITS
 
 
+# --- host output buffers ----------------------------------------------------------------------
+
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+_libc: Any = None
+if sys.platform.startswith("linux"):
+    try:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    except (OSError, AttributeError):  # pragma: no cover - exotic libc
+        _libc = None
+
+#: Ask the kernel for transparent huge pages on fresh output buffers. A first save writes its
+#: output into never-touched memory, and with 4 KiB pages the page faults, not PCIe, bound it.
+#: Set TE_CKPT_PLACEMENT_HUGEPAGES=0 to keep the system default.
+HUGEPAGES = os.environ.get("TE_CKPT_PLACEMENT_HUGEPAGES", "1") != "0"
+
+
+def empty_host(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous host tensor that owns exactly its bytes, advised to use huge pages."""
+    out = torch.empty(shape, dtype=dtype)
+    nbytes = out.numel() * out.element_size()
+    if HUGEPAGES and _libc is not None and nbytes >= 2 * _HUGE_PAGE:
+        start = out.data_ptr()
+        first = (start + _HUGE_PAGE - 1) & ~(_HUGE_PAGE - 1)
+        last = (start + nbytes) & ~(_HUGE_PAGE - 1)
+        if last > first:
+            _libc.madvise(first, last - first, _MADV_HUGEPAGE)  # advice only: failure is fine
+    return out
+
+
+# --- the device-to-host pipeline --------------------------------------------------------------
+
+#: Bytes of raw state moved per chunk, and how many chunks are in flight.
+CHUNK_BYTES = 16 << 20
+RING = 3
+
+
+class _Stager:
+    """Pinned ring buffers and a copy stream for one CUDA device, reused across exports.
+
+    For host-resident sources (the CPU stand-in) the same ring runs with plain buffers and
+    synchronous copies, so one code path serves both.
+    """
+
+    def __init__(self, device: torch.device, chunk_bytes: int) -> None:
+        self.device = device
+        self.chunk_bytes = chunk_bytes
+        cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if cuda else None
+        self.buffers = [
+            torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=cuda) for _ in range(RING)
+        ]
+        self.events = [torch.cuda.Event() if cuda else None for _ in range(RING)]
+
+    def copy_async(self, i: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self.stream is None:
+            dst.copy_(src)
+            return
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+            self.events[i % RING].record(self.stream)  # type: ignore[union-attr]
+
+    def wait(self, i: int) -> None:
+        if self.stream is not None:
+            self.events[i % RING].synchronize()  # type: ignore[union-attr]
+
+    def synchronize(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self.buffers)
+
+
+_pool: dict[tuple[torch.device, int], list[_Stager]] = {}
+_pool_all: list[_Stager] = []
+_pool_lock = threading.Lock()
+
+
+@contextmanager
+def _stager(device: torch.device) -> Iterator[_Stager]:
+    """Lends a stager; concurrent exports get their own, and every one is reused later."""
+    key = (device, CHUNK_BYTES)
+    with _pool_lock:
+        free = _pool.setdefault(key, [])
+        stager = free.pop() if free else None
+    if stager is None:
+        stager = _Stager(device, CHUNK_BYTES)
+        with _pool_lock:
+            _pool_all.append(stager)
+    try:
+        yield stager
+    finally:
+        # Copies still in flight write into the pinned buffers: finish them before the next
+        # borrower (or an error path) can reuse or free anything they touch.
+        stager.synchronize()
+        with _pool_lock:
+            _pool[key].append(stager)
+
+
+def pinned_pool_bytes() -> int:
+    """Pinned host bytes held by the staging pool (constant once warm, whatever the export)."""
+    with _pool_lock:
+        return sum(s.nbytes for s in _pool_all)
+
+
+def clear_pinned_pool() -> None:
+    """Releases the idle staging buffers (the next export allocates them again)."""
+    with _pool_lock:
+        for free in _pool.values():
+            for stager in free:
+                _pool_all.remove(stager)
+            free.clear()
+
+
+Convert = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+def _stream_into(src: torch.Tensor, out: torch.Tensor, convert: Convert) -> None:
+    """Moves ``src`` (contiguous) into the host tensor ``out`` chunk by chunk.
+
+    Chunk k+1 is copied to pinned memory on a side stream while the host converts chunk k into
+    ``out``; the device never allocates anything.
+    """
+    flat_src, flat_out = src.reshape(-1), out.view(-1)
+    n = flat_src.numel()
+    with _stager(src.device) as st:
+        step = max(1, st.chunk_bytes // src.element_size())
+        bounds = [(a, min(a + step, n)) for a in range(0, n, step)]
+        if st.stream is not None:
+            # Pending work on the compute stream (a step, a conversion) finishes before we read.
+            st.stream.wait_stream(torch.cuda.current_stream(src.device))
+
+        def issue(i: int) -> torch.Tensor:
+            a, b = bounds[i]
+            buf = st.buffers[i % RING][: (b - a) * src.element_size()].view(src.dtype)
+            st.copy_async(i, buf, flat_src[a:b])
+            return buf
+
+        staged = [issue(i) for i in range(min(RING - 1, len(bounds)))]
+        for i, (a, b) in enumerate(bounds):
+            st.wait(i)
+            if i + RING - 1 < len(bounds):
+                # Its buffer is chunk i-1's, converted in the previous iteration.
+                staged.append(issue(i + RING - 1))
+            convert(staged[i], flat_out[a:b])
+            staged[i] = None  # type: ignore[call-overload]
+
+
+def _convert_fn(source: StateSource) -> tuple[torch.dtype, Convert]:
+    """The output dtype and the per-chunk host arithmetic of one state kind."""
+    if source.kind == "copy":
+        return source.data.dtype, lambda raw, out: out.copy_(raw)  # type: ignore[union-attr]
+    if source.kind == "upcast":
+        return torch.float32, lambda raw, out: out.copy_(raw)
+    if source.kind in ("scaled", "fp8"):
+        assert source.scale is not None
+        scale = source.scale.to("cpu")
+        fp8 = source.fp8_dtype
+
+        def scaled(raw: torch.Tensor, out: torch.Tensor) -> None:
+            # The same two steps as TE: widen to FP32 exactly, then one FP32 multiply per
+            # element, which rounds identically on any IEEE-754 unit (no fused operation).
+            if fp8 is not None:
+                out.copy_(raw.view(fp8))
+                out.mul_(scale)
+            else:
+                torch.mul(raw, scale, out=out)
+            _canonicalize_nan(out)
+
+        return torch.float32, scaled
+    raise ValueError(f"unknown state kind {source.kind!r}")
+
+
 def materialize(source: StateSource) -> torch.Tensor:
     """Produces the exported host tensor for one state.
 
@@ -83,31 +258,23 @@ def materialize(source: StateSource) -> torch.Tensor:
     if source.kind == "device":
         assert source.on_device is not None
         converted = source.on_device()
-        out = _host_copy(converted)
-        del converted  # the device copy is released before the caller produces the next state
-        return out
+        try:
+            return materialize(StateSource(kind="copy", data=converted))
+        finally:
+            del converted  # released before the caller produces the next state
 
-    assert source.data is not None
-    raw = _host_copy(source.data)
-    if source.kind == "copy":
-        return raw
-    if source.kind == "upcast":
-        out = torch.empty_like(raw, dtype=torch.float32)
-        out.copy_(raw)
-        return out
-    if source.kind in ("scaled", "fp8"):
-        assert source.scale is not None
-        # The same two steps as TE: widen to FP32 exactly, then one FP32 multiply per element,
-        # which rounds identically on any IEEE-754 unit (no fused operation is involved).
-        if source.kind == "fp8":
-            assert source.fp8_dtype is not None
-            raw = raw.view(source.fp8_dtype)
-        out = torch.empty_like(raw, dtype=torch.float32)
-        out.copy_(raw)
-        out.mul_(source.scale.to("cpu", copy=False))
-        _canonicalize_nan(out)
-        return out
-    raise ValueError(f"unknown state kind {source.kind!r}")
+    data = source.data
+    assert data is not None
+    out_dtype, convert = _convert_fn(source)
+    out = empty_host(data.shape, out_dtype)
+    if data.is_contiguous():
+        _stream_into(data, out, convert)
+    else:
+        # Strided storage: one plain copy first. On a device that costs one contiguous device
+        # temporary of the state's own size (torch's cross-device copy); TE never makes these.
+        raw = data.to("cpu", copy=True).contiguous()
+        convert(raw, out)
+    return out
 
 
 def to_cpu_dtensor(local: torch.Tensor, like: DTensor) -> DTensor:

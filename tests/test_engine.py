@@ -217,3 +217,56 @@ def test_materialize_scaled_and_fp8_arithmetic() -> None:
         StateSource(kind="fp8", data=raw8, scale=scale, fp8_dtype=torch.float8_e4m3fn)
     )
     assert torch.equal(out8, raw8.view(torch.float8_e4m3fn).float() * scale)
+
+
+@pytest.mark.parametrize("chunk_bytes", [4, 36, 1000])
+def test_chunked_pipeline_every_boundary(monkeypatch: pytest.MonkeyPatch, chunk_bytes: int) -> None:
+    # Chunks smaller than one state, across ring wrap-around, with ragged last chunks.
+    from te_ckpt_placement import engine
+
+    monkeypatch.setattr(engine, "CHUNK_BYTES", chunk_bytes)
+    for moments in MOMENTS:
+        opt = make_optimizer(model_params(torch.float32, empty=False), moments=moments)
+        train(opt)
+        with export_placement("cpu"):
+            ours = opt.state_dict()
+        assert_same_export(ours, reference(opt))
+
+
+def test_pool_is_reused_and_survives_a_failing_conversion(monkeypatch: pytest.MonkeyPatch) -> None:
+    from te_ckpt_placement import engine
+
+    opt = make_optimizer(model_params(torch.float32), moments=torch.bfloat16)
+    train(opt)
+    with export_placement("cpu"):
+        opt.state_dict()
+    held = engine.pinned_pool_bytes()
+    for _ in range(3):
+        with export_placement("cpu"):
+            opt.state_dict()
+    assert engine.pinned_pool_bytes() == held, "steady-state exports allocated staging memory"
+
+    calls = 0
+    real = engine._convert_fn
+
+    def failing(source: StateSource):  # type: ignore[no-untyped-def]
+        dtype, convert = real(source)
+
+        def boom(raw: torch.Tensor, out: torch.Tensor) -> None:
+            nonlocal calls
+            calls += 1
+            if calls == 3:
+                raise MemoryError("injected")
+            convert(raw, out)
+
+        return dtype, boom
+
+    monkeypatch.setattr(engine, "_convert_fn", failing)
+    before = snapshot(opt)
+    with export_placement("cpu"), pytest.raises(MemoryError):
+        opt.state_dict()
+    monkeypatch.setattr(engine, "_convert_fn", real)
+    assert_snapshot_equal(before, snapshot(opt))
+    assert engine.pinned_pool_bytes() == held, "the failed export leaked a stager"
+    with export_placement("cpu"):
+        assert_same_export(opt.state_dict(), reference(opt))
