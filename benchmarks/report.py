@@ -28,24 +28,48 @@ def load(path: Path) -> dict[str, Any]:
     return data
 
 
-def table(data: dict[str, Any], op: str = "export") -> str:
+LOAD_LABELS = {
+    "te_default": "TE load_state_dict",
+    "placement_cpu": 'load_state_dict in export_placement("cpu")',
+}
+
+
+def _mode(r: dict[str, Any]) -> str:
+    labels = LOAD_LABELS if r["op"] == "load" else LABELS
+    return labels.get(r["mode"], r["mode"]) + (" (repeat save)" if r.get("repeat") else "")
+
+
+def table(data: dict[str, Any]) -> str:
     m = data["machine"]
+    bw = data.get("bandwidths_bytes_per_s", {})
     lines = [
         f"Measured on {m['gpu']} (driver {m['driver']}), torch {m['torch']}, "
-        f"Transformer Engine {m['transformer_engine']}; local state per rank, BF16 params, "
-        "FP32 master weights kept as int16 remainders.",
+        f"Transformer Engine {m['transformer_engine']}, {m.get('host_cpus', '?')} host cores; "
+        "local state per rank, BF16 params, FP32 master weights kept as int16 remainders.",
+    ]
+    if bw:
+        lines.append(
+            "Bandwidths measured in the same run: "
+            + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in bw.items())
+            + "."
+        )
+    lines += [
         "",
-        "| moments | N | M | mode | extra GPU | GPU B/N | extra host | seconds |",
-        "|---|---:|---:|---|---:|---:|---:|---:|",
+        "| op | moments | N | M | mode | extra GPU | GPU B/N | extra host | seconds | T* | / T* |",
+        "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in data["records"]:
-        if r.get("op") != op:
-            continue
+        bound = r.get("bound_seconds")
+        # TE's default export leaves everything on the GPU: no host bound applies to it.
+        te_gpu_only = r["mode"] == "te_default" and r["op"] == "export"
+        ratio = "" if bound is None or te_gpu_only else f"{r['seconds'] / bound:.2f}"
         lines.append(
-            f"| {r['moments']} | {r['n_elements'] / G:.2f} G | {r['max_elements'] / MI:.0f} M "
-            f"| {LABELS.get(r['mode'], r['mode'])} | {r['peak_extra_gpu_bytes'] / G:.2f} GiB "
+            f"| {r['op']} | {r['moments']} | {r['n_elements'] / G:.2f} G "
+            f"| {r['max_elements'] / MI:.0f} M | {_mode(r)} "
+            f"| {r['peak_extra_gpu_bytes'] / G:.2f} GiB "
             f"| {r['peak_extra_gpu_bytes'] / r['n_elements']:.2f} "
-            f"| {r.get('peak_extra_host_bytes', 0) / G:.2f} GiB | {r.get('seconds', 0):.2f} |"
+            f"| {r.get('peak_extra_host_bytes', 0) / G:.2f} GiB | {r.get('seconds', 0):.2f} "
+            f"| {'' if bound is None or te_gpu_only else f'{bound:.2f}'} | {ratio} |"
         )
     return "\n".join(lines)
 
@@ -56,7 +80,11 @@ def plot(data: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = [r for r in data["records"] if r.get("op") == "export" and r["moments"] == "bf16"]
+    records = [
+        r
+        for r in data["records"]
+        if r.get("op") == "export" and r["moments"] == "bf16" and not r.get("repeat")
+    ]
     fixed_m = [r for r in records if r["max_elements"] == 64 * MI]
     fixed_n = [r for r in records if r["n_elements"] == G]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))

@@ -46,12 +46,13 @@ from tests.standin import StandInFusedAdam
 
 class _StandInStorage(StandInFusedAdam):
     # TE's FusedAdam derives from torch.optim.Optimizer directly: super(FusedAdam, opt)
-    # .state_dict(), which the adapter calls, is torch's export, not TE's converted one.
+    # .state_dict() and .load_state_dict(), which the adapter calls, are torch's, not TE's.
     state_dict = torch.optim.Optimizer.state_dict
+    load_state_dict = torch.optim.Optimizer.load_state_dict
 
 
 class FusedAdam(_StandInStorage):
-    """TE 2.20.2's constructor signature; TE's own state_dict defined on the class, as in TE."""
+    """TE 2.20.2's constructor signature; TE's export and import defined on the class."""
 
     def __init__(
         self,
@@ -106,11 +107,13 @@ class FusedAdam(_StandInStorage):
             set_grad_none=set_grad_none,
         )
 
-    # TE L482-513 (the stand-in's copy; its zero-argument super() reaches torch's export).
+    # TE L482-548 (the stand-in's copies; their zero-argument super() reaches torch's).
     state_dict = StandInFusedAdam.state_dict
+    load_state_dict = StandInFusedAdam.load_state_dict
 
 
-ORIGINAL_STATE_DICT = FusedAdam.__dict__["state_dict"]  # for the tests: TE's own function
+# For the tests: TE's own functions, which the hooks wrap and uninstall() restores.
+ORIGINALS = {name: FusedAdam.__dict__[name] for name in ("state_dict", "load_state_dict")}
 '''
 
 # A FusedAdam of a hypothetical TE release that dropped get_unscaled_state.
@@ -127,8 +130,14 @@ class FusedAdam(torch.optim.Optimizer):
     def state_dict(self):
         return super().state_dict()
 
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
 
-ORIGINAL_STATE_DICT = FusedAdam.__dict__["state_dict"]
+    def set_scaled_state(self, param, state_name, unscaled_state):
+        self.state[param][state_name] = unscaled_state
+
+
+ORIGINALS = {name: FusedAdam.__dict__[name] for name in ("state_dict", "load_state_dict")}
 '''
 
 FAKES = {"fake_te": FAKE_FUSED_ADAM, "fake_te_without_contract": FAKE_FUSED_ADAM_WITHOUT_CONTRACT}
@@ -222,6 +231,16 @@ def te_export(sd, live):
     return len(masters) > 0 and all(aliases_live(t, live) for t in masters)
 
 
+def hooked_once(cls, originals):
+    """Both methods are hooks, each wrapping TE's own function: one layer, not more."""
+    return all(getattr(cls.__dict__.get(n), MARK, None) is f for n, f in originals.items())
+
+
+def unhooked(cls, originals):
+    """Both methods are exactly TE's own functions."""
+    return all(cls.__dict__.get(n) is f for n, f in originals.items())
+
+
 def raises(exc_type, action):
     """The message of the exc_type that action() raises; fails if it raises nothing."""
     try:
@@ -302,11 +321,10 @@ section(
     """
     assert not te_loaded(), "import te_ckpt_placement imported transformer_engine"
     import transformer_engine.pytorch
-    from transformer_engine.pytorch.optimizers.fused_adam import ORIGINAL_STATE_DICT, FusedAdam
+    from transformer_engine.pytorch.optimizers.fused_adam import ORIGINALS, FusedAdam
 
     assert transformer_engine.__version__ == FAKE_VERSION  # the fake, not a real TE
-    original = ORIGINAL_STATE_DICT
-    assert FusedAdam.__dict__["state_dict"] is original
+    assert unhooked(FusedAdam, ORIGINALS)
     assert not is_installed(), "importing TE hooked it before any policy was entered"
 
     opt = FusedAdam(
@@ -328,7 +346,7 @@ section(
     with export_placement("cpu"):
         assert is_installed()
         ours = opt.state_dict()
-    assert getattr(FusedAdam.__dict__["state_dict"], MARK) is original
+    assert hooked_once(FusedAdam, ORIGINALS)
     assert len(exported_tensors(ours)) == 9
     assert streamed(ours, live)
     assert_same_export(ours, reference)
@@ -339,6 +357,17 @@ section(
     assert is_installed()
     pairs = zip(exported_tensors(outside), exported_tensors(plain), strict=True)
     assert all(a.data_ptr() == b.data_ptr() for a, b in pairs)
+
+    # The hooked load streams too: it writes into the live tensors, where TE's load replaces them.
+    states = {p: dict(s) for p, s in opt.state.items()}
+    with export_placement("cpu"):
+        opt.load_state_dict(ours)
+    assert all(opt.state[p][n] is t for p, s in states.items() for n, t in s.items())
+    assert_snapshot_equal(before, snapshot(opt))
+    with export_placement(None):
+        opt.load_state_dict(ours)
+    assert all(opt.state[p][n] is not t for p, s in states.items() for n, t in s.items())
+    assert_snapshot_equal(before, snapshot(opt))
     """,
 )
 
@@ -419,22 +448,21 @@ section(
     "hooks",
     "test_install_idempotent_uninstall_restores_and_warns",
     """
-    from transformer_engine.pytorch.optimizers.fused_adam import ORIGINAL_STATE_DICT, FusedAdam
+    from transformer_engine.pytorch.optimizers.fused_adam import ORIGINALS, FusedAdam
 
-    original = ORIGINAL_STATE_DICT
-    assert not hasattr(original, MARK)
+    assert not any(hasattr(f, MARK) for f in ORIGINALS.values())
     assert is_installed()  # hooked by the policies of the earlier sections
     install()
-    assert getattr(FusedAdam.__dict__["state_dict"], MARK) is original
+    assert hooked_once(FusedAdam, ORIGINALS)
     uninstall()
-    assert FusedAdam.__dict__["state_dict"] is original
+    assert unhooked(FusedAdam, ORIGINALS)
     install()
-    wrapper = FusedAdam.__dict__["state_dict"]
+    hooks = {name: FusedAdam.__dict__[name] for name in ORIGINALS}
     install()
     with export_placement("cpu"):
         pass
-    assert FusedAdam.__dict__["state_dict"] is wrapper, "install() wrapped the class again"
-    assert getattr(wrapper, MARK) is original
+    assert {name: FusedAdam.__dict__[name] for name in ORIGINALS} == hooks, "hooked again"
+    assert hooked_once(FusedAdam, ORIGINALS)
     assert is_installed()
 
     opt = FusedAdam(params(), master_weights=True, exp_avg_dtype=torch.bfloat16,
@@ -445,7 +473,7 @@ section(
         assert streamed(opt.state_dict(), live)
 
     uninstall()
-    assert FusedAdam.__dict__["state_dict"] is original
+    assert unhooked(FusedAdam, ORIGINALS)
     assert not is_installed()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -455,7 +483,7 @@ section(
                 assert te_export(opt.state_dict(), live)
             with export_placement(None):
                 pass
-    assert FusedAdam.__dict__["state_dict"] is original, "a policy re-hooked after uninstall()"
+    assert unhooked(FusedAdam, ORIGINALS), "a policy re-hooked after uninstall()"
     assert not is_installed()
     found = [w for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(found) == 1, [str(w.message) for w in caught]
@@ -464,7 +492,7 @@ section(
 
     install()
     assert is_installed()
-    assert getattr(FusedAdam.__dict__["state_dict"], MARK) is original
+    assert hooked_once(FusedAdam, ORIGINALS)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with export_placement("cpu"):
@@ -510,9 +538,8 @@ section(
     "watcher",
     "test_threads_race_hooking_and_exports",
     """
-    from transformer_engine.pytorch.optimizers.fused_adam import ORIGINAL_STATE_DICT, FusedAdam
+    from transformer_engine.pytorch.optimizers.fused_adam import ORIGINALS, FusedAdam
 
-    original = ORIGINAL_STATE_DICT
     sys.setswitchinterval(1e-6)
     ROUNDS, EXPORTS = 4, 6
     MOMENTS = [torch.float32, torch.bfloat16, torch.float16, torch.uint8]
@@ -572,11 +599,10 @@ section(
     try:
         for _ in range(ROUNDS):
             te_adapter.unpatch_class(FusedAdam)  # unhooked again: the next round races to hook
-            assert not is_installed()
+            assert unhooked(FusedAdam, ORIGINALS) and not is_installed()
             barrier.wait()
             barrier.wait()
-            hooked = FusedAdam.__dict__["state_dict"]
-            assert getattr(hooked, MARK, None) is original, "not hooked exactly once"
+            assert hooked_once(FusedAdam, ORIGINALS), "not hooked exactly once"
     except threading.BrokenBarrierError:
         pass
     for t in threads:
@@ -589,9 +615,8 @@ section(
     "contract",
     "test_class_contract_error_names_attribute_and_version",
     """
-    from transformer_engine.pytorch.optimizers.fused_adam import ORIGINAL_STATE_DICT, FusedAdam
+    from transformer_engine.pytorch.optimizers.fused_adam import ORIGINALS, FusedAdam
 
-    original = ORIGINAL_STATE_DICT
     version = te_adapter.te_version()
     if not te_distribution_installed():
         assert version == FAKE_VERSION, version
@@ -607,7 +632,7 @@ section(
         assert f"FusedAdam lacks get_unscaled_state (transformer_engine {version};" in message, (
             message
         )
-        assert FusedAdam.__dict__["state_dict"] is original
+        assert unhooked(FusedAdam, ORIGINALS)
         assert not is_installed()
         assert current_placement() is None
     """,
@@ -671,6 +696,18 @@ section(
     assert te_export(default.state_dict(), default_live)
     with export_placement("cpu"):
         assert streamed(default.state_dict(), default_live)
+
+    # load_state_dict follows the same policy: the default streams, writing into the live
+    # tensors; under export_placement(None) TE's own load replaces them.
+    states = {p: dict(s) for p, s in opt.state.items()}
+    opt.load_state_dict(ours)
+    assert all(opt.state[p][n] is t for p, s in states.items() for n, t in s.items())
+    assert_snapshot_equal(before, snapshot(opt))
+    with export_placement(None):
+        opt.load_state_dict(ours)
+    assert all(opt.state[p][n] is not t for p, s in states.items() for n, t in s.items())
+    assert_snapshot_equal(before, snapshot(opt))
+    live = live_storages(opt)
 
     # Also with TE's own class hooked.
     install()
