@@ -39,7 +39,7 @@ import torch
 G = 1 << 30
 MI = 1 << 20
 MOMENTS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.uint8, "fp32": torch.float32}
-MODES = ("te_default", "te_default_dcp_cpu_offload", "placement_cpu")
+MODES = ("te_default", "te_default_dcp_cpu_offload", "placement_cpu", "placement_cpu_reuse_buffers")
 
 
 def requirements_missing() -> str | None:
@@ -144,10 +144,11 @@ def export_fn(mode: str, model: Any, opt: Any) -> Callable[[], Any]:
         return opt.state_dict
     if mode == "te_default_dcp_cpu_offload":
         return dcp
-    if mode == "placement_cpu":
+    if mode in ("placement_cpu", "placement_cpu_reuse_buffers"):
+        policy = export_placement("cpu", reuse_buffers=mode.endswith("reuse_buffers"))
 
         def placed() -> Any:
-            with export_placement("cpu"):
+            with policy:
                 return dcp()
 
         return placed
@@ -271,7 +272,7 @@ def run_case(
 
     if "export" in ops:
         for mode in modes:
-            if mode == "placement_cpu":
+            if mode.startswith("placement_cpu"):
                 for repeat in (False, True):
                     bound = bound_repeat if repeat else bound_first
                     add(
@@ -430,8 +431,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(HEADER, flush=True)
     records = []
+    from te_ckpt_placement import release_buffers
+
     for n, m, moments, case_ops in plan:
         records.extend(run_case(n, m, moments, modes, case_ops, bw))
+        release_buffers()
         gc.collect()
         torch.cuda.empty_cache()
     result = {"machine": machine(), "bandwidths_bytes_per_s": bw, "records": records}

@@ -18,6 +18,7 @@ LABELS = {
     "te_default": "TE default",
     "te_default_dcp_cpu_offload": "TE default + DCP cpu_offload",
     "placement_cpu": 'export_placement("cpu") + DCP',
+    "placement_cpu_reuse_buffers": 'export_placement("cpu", reuse_buffers=True) + DCP',
 }
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .engine import pinned_pool_bytes
 from .policy import Placement, current_placement, export_placement
 from .te_adapter import ContractError, install, is_installed, uninstall
 
@@ -27,9 +28,22 @@ __all__ = [
     "export_placement",
     "install",
     "is_installed",
+    "pinned_pool_bytes",
+    "release_buffers",
     "uninstall",
 ]
 __version__ = "0.1.0"
+
+
+def release_buffers() -> None:
+    """Frees the idle host buffers of ``reuse_buffers`` exports and the pinned staging pool.
+
+    Buffers still referenced by a state dict stay alive with it.
+    """
+    from . import engine
+
+    engine.buffers.clear()
+    engine.clear_pinned_pool()
 
 
 def __getattr__(name: str) -> Any:

@@ -11,6 +11,7 @@ host and converted there, so the device memory of the export is zero, except for
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import sys
 import threading
@@ -107,7 +108,7 @@ def empty_host(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
 # --- the device-to-host pipeline --------------------------------------------------------------
 
 #: Bytes of raw state moved per chunk, and how many chunks are in flight.
-CHUNK_BYTES = 16 << 20
+CHUNK_BYTES = 32 << 20
 RING = 3
 
 
@@ -224,32 +225,93 @@ def _stream_into(src: torch.Tensor, out: torch.Tensor, convert: Convert) -> None
             staged[i] = None  # type: ignore[call-overload]
 
 
+def _unscaled_table(fp8: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
+    """The FP32 value of every FP8 byte times ``scale``: TE's arithmetic, once per byte value."""
+    table = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8).float()
+    table.mul_(scale)
+    _canonicalize_nan(table)
+    return table
+
+
 def _convert_fn(source: StateSource) -> tuple[torch.dtype, Convert]:
     """The output dtype and the per-chunk host arithmetic of one state kind."""
     if source.kind == "copy":
         return source.data.dtype, lambda raw, out: out.copy_(raw)  # type: ignore[union-attr]
     if source.kind == "upcast":
         return torch.float32, lambda raw, out: out.copy_(raw)
-    if source.kind in ("scaled", "fp8"):
+    if source.kind == "scaled":
         assert source.scale is not None
-        scale = source.scale.to("cpu")
-        fp8 = source.fp8_dtype
+        # A Python float holds the FP32 scale exactly, and torch multiplies an FP32 tensor by it
+        # in FP32: the same single rounding as TE's multiply by the one-element scale tensor,
+        # on the vectorized path (a mixed-dtype multiply is about eight times slower).
+        factor = float(source.scale.reshape(-1)[0])
 
         def scaled(raw: torch.Tensor, out: torch.Tensor) -> None:
-            # The same two steps as TE: widen to FP32 exactly, then one FP32 multiply per
-            # element, which rounds identically on any IEEE-754 unit (no fused operation).
-            if fp8 is not None:
-                out.copy_(raw.view(fp8))
-                out.mul_(scale)
-            else:
-                torch.mul(raw, scale, out=out)
-            _canonicalize_nan(out)
+            out.copy_(raw)  # FP16 to FP32 is exact
+            out.mul_(factor)
+            # A NaN makes the sum NaN; a cheap read pass replaces an isnan mask for the rare
+            # chunk that can hold one (an infinite sum only says "look closer").
+            if not math.isfinite(float(out.sum())):
+                _canonicalize_nan(out)
 
         return torch.float32, scaled
+    if source.kind == "fp8":
+        assert source.scale is not None and source.fp8_dtype is not None
+        # Exact by construction: each output element is the table entry of its byte, computed
+        # with the same multiply. One gather pass replaces a slow scalar FP8 decode plus a
+        # multiply and a NaN pass.
+        table = _unscaled_table(source.fp8_dtype, source.scale.to("cpu").reshape(-1)[:1])
+
+        def fp8(raw: torch.Tensor, out: torch.Tensor) -> None:
+            torch.index_select(table, 0, raw.to(torch.int32), out=out)
+
+        return torch.float32, fp8
     raise ValueError(f"unknown state kind {source.kind!r}")
 
 
-def materialize(source: StateSource) -> torch.Tensor:
+class BufferCache:
+    """Host output buffers kept across exports and handed out again once nobody holds them.
+
+    A buffer is reused only when its storage has no user left (no tensor, view, or DTensor
+    local tensor outside this cache), so a save still in flight, such as a DCP async save that
+    holds the previous export, is never overwritten; the next export gets fresh memory instead.
+    """
+
+    def __init__(self) -> None:
+        self._storages: dict[tuple[tuple[int, ...], torch.dtype], list[Any]] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _idle(storage: Any) -> bool:
+        use_count = getattr(torch._C, "_storage_Use_Count", None)
+        return use_count is not None and use_count(storage._cdata) == 1
+
+    def take(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        key = (tuple(shape), dtype)
+        with self._lock:
+            for storage in self._storages.get(key, []):
+                if self._idle(storage):
+                    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+            out = empty_host(shape, dtype)
+            self._storages.setdefault(key, []).append(out.untyped_storage())
+            return out
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(s.nbytes() for group in self._storages.values() for s in group)
+
+    def clear(self) -> None:
+        """Forgets every kept buffer; those still in use live on with their users."""
+        with self._lock:
+            self._storages.clear()
+
+
+#: Output buffers of exports made with ``Placement(reuse_buffers=True)``.
+buffers = BufferCache()
+
+
+def materialize(source: StateSource, *, reuse_buffers: bool = False) -> torch.Tensor:
     """Produces the exported host tensor for one state.
 
     The result owns a storage of exactly ``numel * element_size`` bytes and shares nothing with
@@ -259,14 +321,18 @@ def materialize(source: StateSource) -> torch.Tensor:
         assert source.on_device is not None
         converted = source.on_device()
         try:
-            return materialize(StateSource(kind="copy", data=converted))
+            return materialize(
+                StateSource(kind="copy", data=converted), reuse_buffers=reuse_buffers
+            )
         finally:
             del converted  # released before the caller produces the next state
 
     data = source.data
     assert data is not None
     out_dtype, convert = _convert_fn(source)
-    out = empty_host(data.shape, out_dtype)
+    out = (
+        buffers.take(data.shape, out_dtype) if reuse_buffers else empty_host(data.shape, out_dtype)
+    )
     if data.is_contiguous():
         _stream_into(data, out, convert)
     else:
@@ -317,7 +383,9 @@ def iter_exportable(
 Plan = list[tuple[Any, torch.Tensor, dict[str, StateSource]]]
 
 
-def export_optimizer_state(state_dict: dict[str, Any], plan: Plan) -> dict[str, Any]:
+def export_optimizer_state(
+    state_dict: dict[str, Any], plan: Plan, *, reuse_buffers: bool = False
+) -> dict[str, Any]:
     """Replaces each planned parameter's states in ``state_dict`` by host tensors, one at a time.
 
     Args:
@@ -325,6 +393,7 @@ def export_optimizer_state(state_dict: dict[str, Any], plan: Plan) -> dict[str, 
             still reference the live state dicts and are replaced, never mutated.
         plan: ``(key, param, {state_name: source})`` for every entry to export, built (and so
             validated) before anything is copied.
+        reuse_buffers: Take output buffers from :data:`buffers`, reusing idle ones.
 
     Returns:
         ``state_dict`` with every planned state on the host.
@@ -332,7 +401,7 @@ def export_optimizer_state(state_dict: dict[str, Any], plan: Plan) -> dict[str, 
     for key, param, sources in plan:
         exported: dict[str, Any] = {}
         for name, source in sources.items():
-            host = materialize(source)
+            host = materialize(source, reuse_buffers=reuse_buffers)
             exported[name] = to_cpu_dtensor(host, param) if isinstance(param, DTensor) else host
             del host
         state_dict["state"][key] = exported

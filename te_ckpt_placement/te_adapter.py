@@ -179,7 +179,7 @@ def stream_state_dict(optimizer: Any, placement: Placement, owner: type) -> dict
         )
         for key, param, stored in engine.iter_exportable(state_dict, optimizer.param_groups)
     ]
-    return engine.export_optimizer_state(state_dict, plan)
+    return engine.export_optimizer_state(state_dict, plan, reuse_buffers=placement.reuse_buffers)
 
 
 def _load_error(index: object, name: str | None, problem: str) -> ValueError:

@@ -270,3 +270,51 @@ def test_pool_is_reused_and_survives_a_failing_conversion(monkeypatch: pytest.Mo
     assert engine.pinned_pool_bytes() == held, "the failed export leaked a stager"
     with export_placement("cpu"):
         assert_same_export(opt.state_dict(), reference(opt))
+
+
+def test_reused_buffers_only_once_released() -> None:
+    from te_ckpt_placement import engine, release_buffers
+
+    release_buffers()
+    opt = make_optimizer(model_params(torch.float32), moments=torch.bfloat16)
+    train(opt)
+    ref = reference(opt)
+
+    def export() -> dict:
+        with export_placement("cpu", reuse_buffers=True):
+            return opt.state_dict()
+
+    def ptrs(sd: dict) -> set[int]:
+        return {t.data_ptr() for t in exported_tensors(sd) if t.numel()}
+
+    first = export()
+    held = ptrs(first)
+    first_bits = [t.clone() for t in exported_tensors(first)]
+    # A save in flight still holds `first`: the next export must not write into it.
+    second = export()
+    assert not held & ptrs(second)
+    assert all(torch.equal(a, b) for a, b in zip(exported_tensors(first), first_bits, strict=True))
+    assert_same_export(second, ref)
+    # A view is a user too.
+    view = exported_tensors(second)[0][:1]
+    del first
+    third = export()
+    assert ptrs(third) <= held, "released buffers were not reused"
+    assert_same_export(third, ref)
+    second_ptrs = ptrs(second)
+    del second
+    fourth = export()
+    assert view.untyped_storage().data_ptr() not in ptrs(fourth), "a viewed buffer was reused"
+    assert ptrs(fourth) & second_ptrs, "second's released buffers were not reused"
+    assert_same_export(fourth, ref)
+    for t in exported_tensors(fourth):
+        assert_owns_storage(t)
+    assert engine.buffers.nbytes > 0
+    del view, third, fourth
+    release_buffers()
+    assert engine.buffers.nbytes == 0
+
+
+def test_reuse_buffers_must_be_bool() -> None:
+    with pytest.raises(ValueError, match="valid values are True"):
+        export_placement("cpu", reuse_buffers="yes")  # type: ignore[arg-type]
