@@ -15,6 +15,7 @@ import math
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ __all__ = [
     "Plan",
     "StateSource",
     "export_optimizer_state",
+    "is_exported",
     "iter_exportable",
     "clear_pinned_pool",
     "empty_host",
@@ -343,6 +345,26 @@ def materialize(source: StateSource, *, reuse_buffers: bool = False) -> torch.Te
     return out
 
 
+# Every tensor an export produced, while it lives: a private host snapshot that nothing else
+# writes, which DCP's async staging may pass through instead of copying again.
+# Keyed by id (tensors compare elementwise, so no WeakSet), each entry dropping itself when its
+# tensor dies.
+_exported: dict[int, weakref.ref[torch.Tensor]] = {}
+
+
+def _register_export(tensor: torch.Tensor) -> None:
+    key = id(tensor)
+    _exported[key] = weakref.ref(tensor, lambda _ref: _exported.pop(key, None))
+
+
+def is_exported(tensor: object) -> bool:
+    """True for a tensor (or DTensor) produced by a streaming export and not a view of one."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor._local_tensor
+    ref = _exported.get(id(tensor))
+    return ref is not None and ref() is tensor
+
+
 def to_cpu_dtensor(local: torch.Tensor, like: DTensor) -> DTensor:
     """Wraps a host tensor as a DTensor with ``like``'s mesh, placements, global shape and stride.
 
@@ -402,6 +424,7 @@ def export_optimizer_state(
         exported: dict[str, Any] = {}
         for name, source in sources.items():
             host = materialize(source, reuse_buffers=reuse_buffers)
+            _register_export(host)
             exported[name] = to_cpu_dtensor(host, param) if isinstance(param, DTensor) else host
             del host
         state_dict["state"][key] = exported
