@@ -178,6 +178,12 @@ def _stager(device: torch.device) -> Iterator[_Stager]:
             _pool[key].append(stager)
 
 
+def staging_in_use() -> int:
+    """How many stagers are lent out right now (0 between exports)."""
+    with _pool_lock:
+        return len(_pool_all) - sum(len(free) for free in _pool.values())
+
+
 def pinned_pool_bytes() -> int:
     """Pinned host bytes held by the staging pool (constant once warm, whatever the export)."""
     with _pool_lock:

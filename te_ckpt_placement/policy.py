@@ -58,15 +58,21 @@ class Placement:
             one export's worth of host memory between saves (two while a previous export is
             still referenced). A buffer that anything still references, such as a DCP async
             save in flight, is never reused. ``te_ckpt_placement.release_buffers()`` frees them.
+        rollback: On a failure part-way through a streaming ``load_state_dict`` (after the
+            checkpoint was validated: a device error, an allocation failure, a
+            KeyboardInterrupt), put the previous optimizer state back. It costs host memory
+            equal to the live states the load overwrites, copied as the load goes; with
+            ``False`` a failed load leaves the optimizer unusable.
 
     Example:
         >>> Placement(device="cpu")
-        Placement(device='cpu', conversion='host', reuse_buffers=False)
+        Placement(device='cpu', conversion='host', reuse_buffers=False, rollback=True)
     """
 
     device: Literal["cpu"] | None = "cpu"
     conversion: Literal["host", "device"] = "host"
     reuse_buffers: bool = False
+    rollback: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", _normalize_device(self.device))
@@ -80,6 +86,11 @@ class Placement:
             raise ValueError(
                 f"unsupported reuse_buffers {self.reuse_buffers!r}: valid values are True (keep "
                 "host output buffers across exports) or False (fresh buffers every export)"
+            )
+        if not isinstance(self.rollback, bool):
+            raise ValueError(
+                f"unsupported rollback {self.rollback!r}: valid values are True (a failed load "
+                "restores the previous state) or False (no host copy; a failed load is fatal)"
             )
 
     @property
@@ -143,6 +154,7 @@ class export_placement:  # noqa: N801 - used like contextlib's lower-case helper
         device: ``"cpu"`` or ``None`` (TE's default export, also inside an outer CPU policy).
         conversion: ``"host"`` or ``"device"``; see :class:`Placement`.
         reuse_buffers: ``True`` or ``False``; see :class:`Placement`.
+        rollback: ``True`` or ``False``; see :class:`Placement`.
 
     Raises:
         ValueError: for any other device or option value.
@@ -162,6 +174,7 @@ class export_placement:  # noqa: N801 - used like contextlib's lower-case helper
         *,
         conversion: Literal["host", "device"] = "host",
         reuse_buffers: bool = False,
+        rollback: bool = True,
     ) -> None:
         if isinstance(device, Placement):
             self.placement = device
@@ -170,6 +183,7 @@ class export_placement:  # noqa: N801 - used like contextlib's lower-case helper
                 device=device,  # type: ignore[arg-type]
                 conversion=conversion,
                 reuse_buffers=reuse_buffers,
+                rollback=rollback,
             )
 
     def __repr__(self) -> str:

@@ -298,12 +298,56 @@ def _reusable(optimizer: Any, param: torch.Tensor, name: str, live: Any) -> Any:
     return live
 
 
-def stream_load_state_dict(optimizer: Any, state_dict: Any, owner: type) -> None:
+class _Rollback:
+    """What a failed load must put back: the replaced containers and overwritten tensor bytes.
+
+    The containers (``state``, ``param_groups``, ``_scales`` entries) are kept by reference; a
+    tensor written in place is copied to host memory just before its write. So the rollback costs
+    host memory equal to the live states the load overwrites (R bytes, never GPU memory) and one
+    device-to-host copy of each, made as the load goes.
+    """
+
+    def __init__(self, optimizer: Any) -> None:
+        self.state = optimizer.state
+        self.param_groups = optimizer.param_groups
+        self.scales = {p: dict(d) for p, d in optimizer._scales.items()}
+        self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def keep(self, tensor: torch.Tensor | None) -> None:
+        if tensor is not None:
+            self.saved.append((tensor, tensor.to("cpu", copy=True)))
+
+    def keep_state(self, optimizer: Any, param: torch.Tensor, name: str, live: Any) -> None:
+        local = live._local_tensor if isinstance(live, DTensor) else live
+        if hasattr(local, "_data"):  # FP8: bytes, scale_inv, and the quantizer TE rewrites
+            for attr in ("_data", "_scale_inv", "_transpose"):
+                self.keep(getattr(local, attr, None))
+            quantizer = getattr(local, "_quantizer", None)
+            for attr in ("scale", "amax"):
+                self.keep(getattr(quantizer, attr, None))
+        else:
+            self.keep(local)
+        self.keep(optimizer._scales.get(param, {}).get(name))
+
+    def restore(self, optimizer: Any) -> None:
+        for tensor, host in reversed(self.saved):
+            tensor.copy_(host)
+        optimizer.state = self.state
+        optimizer.param_groups = self.param_groups
+        optimizer._scales.clear()
+        optimizer._scales.update(self.scales)
+
+
+def stream_load_state_dict(
+    optimizer: Any, state_dict: Any, owner: type, *, rollback: bool = True
+) -> None:
     """TE's ``load_state_dict`` (L515-548) without torch's bulk cast of every state to the GPU.
 
     Every state goes from the checkpoint into the live state one at a time, through TE's own
     ``set_scaled_state``, so the result is TE's bit for bit. Live tensors are written in place
-    where shape and dtype match. The checkpoint is never modified.
+    where shape and dtype match. The checkpoint is never modified. A checkpoint that does not fit
+    fails validation before anything changes; a failure part-way (an allocation, a device error,
+    a KeyboardInterrupt) puts the previous state back when ``rollback`` is set (see _Rollback).
     """
     check_contract(optimizer)
     _, plan = plan_load(optimizer, state_dict)
@@ -314,29 +358,45 @@ def stream_load_state_dict(optimizer: Any, state_dict: Any, owner: type) -> None
     # it casts nothing but keeps the entry order TE's load would produce.
     stripped = dict(state_dict)
     stripped["state"] = {k: ({} if k in planned else v) for k, v in state_dict["state"].items()}
-    super(owner, optimizer).load_state_dict(stripped)
-    for _, param, entries in plan:
-        state: dict[str, Any] = {}
-        optimizer.state[param] = state
-        for name, value in entries.items():
-            reuse = _reusable(optimizer, param, name, live[param].get(name))
-            if reuse is not None:
-                state[name] = reuse
-                if optimizer.name_to_dtype_map[name] != torch.float32:
-                    # TE's load starts every scale from a fresh torch.ones (L452).
-                    optimizer._scales[param][name].fill_(1.0)
-            local = value._local_tensor if isinstance(value, DTensor) else value
-            remainder = _is_remainder(optimizer, param, name)
-            if remainder:
-                optimizer.set_scaled_state(param, name, local)
-                continue
-            unscaled = local.float()
-            if unscaled is local and unscaled.device == _param_local(param).device:
-                # TE scales FP16/FP8 inputs in place (L307); never in the caller's tensor.
-                unscaled = unscaled.clone()
-            optimizer.set_scaled_state(param, name, unscaled)
-            del unscaled
-        live[param].clear()
+    undo = _Rollback(optimizer) if rollback else None
+    try:
+        super(owner, optimizer).load_state_dict(stripped)
+        for _, param, entries in plan:
+            state: dict[str, Any] = {}
+            optimizer.state[param] = state
+            for name, value in entries.items():
+                reuse = _reusable(optimizer, param, name, live[param].get(name))
+                if reuse is not None:
+                    if undo is not None:
+                        undo.keep_state(optimizer, param, name, reuse)
+                    state[name] = reuse
+                    if optimizer.name_to_dtype_map[name] != torch.float32:
+                        # TE's load starts every scale from a fresh torch.ones (L452).
+                        optimizer._scales[param][name].fill_(1.0)
+                _load_one(optimizer, param, name, value)
+    except BaseException:
+        if undo is None:
+            raise
+        try:
+            undo.restore(optimizer)
+        except BaseException as again:
+            raise RuntimeError(
+                "loading the optimizer checkpoint failed part-way and restoring the previous "
+                "state failed too: the optimizer is inconsistent; rebuild it before training"
+            ) from again
+        raise
+
+
+def _load_one(optimizer: Any, param: torch.Tensor, name: str, value: torch.Tensor) -> None:
+    local = value._local_tensor if isinstance(value, DTensor) else value
+    if _is_remainder(optimizer, param, name):
+        optimizer.set_scaled_state(param, name, local)
+        return
+    unscaled = local.float()
+    if unscaled is local and unscaled.device == _param_local(param).device:
+        # TE scales FP16/FP8 inputs in place (L307); never in the caller's tensor.
+        unscaled = unscaled.clone()
+    optimizer.set_scaled_state(param, name, unscaled)
 
 
 def placed_state_dict(optimizer: Any, owner: type, original: Callable[[Any], Any]) -> Any:
@@ -354,7 +414,7 @@ def placed_load_state_dict(
     placement = resolve_placement(optimizer)
     if placement is None or not placement.streams:
         return original(optimizer, state_dict)
-    return stream_load_state_dict(optimizer, state_dict, owner)
+    return stream_load_state_dict(optimizer, state_dict, owner, rollback=placement.rollback)
 
 
 def patch_class(cls: type) -> None:
