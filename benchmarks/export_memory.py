@@ -395,12 +395,22 @@ def cases(sweep: str) -> list[tuple[int, int, str, tuple[str, ...]]]:
         m_sweep = [(G, m, "bf16", both) for m in (16 * MI, 256 * MI, G)]
         dtypes = [(G, 64 * MI, d, both) for d in ("fp16", "fp8", "fp32")]
         return n_sweep + m_sweep + dtypes
-    raise ValueError(f"unknown sweep {sweep!r}; valid: default, full")
+    if sweep == "speed":  # the export-time cases of the speed targets, in one run
+        export = ("export",)
+        return [
+            (G, 64 * MI, "bf16", export),
+            (4 * G, 64 * MI, "bf16", export),
+            (G, 16 * MI, "bf16", export),
+            (G, G, "bf16", export),
+            (G, 64 * MI, "fp16", export),
+            (G, 64 * MI, "fp8", export),
+        ]
+    raise ValueError(f"unknown sweep {sweep!r}; valid: default, full, speed")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sweep", choices=("default", "full"), default="default")
+    parser.add_argument("--sweep", choices=("default", "full", "speed"), default="default")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset")
     parser.add_argument("--ops", default="export,load", help="export, load or both")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: none)")

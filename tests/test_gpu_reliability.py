@@ -1,0 +1,163 @@
+"""Faults, rollback and generated layouts with real TE FusedAdam on a GPU."""
+
+from __future__ import annotations
+
+import copy
+import io
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from te_ckpt_placement import current_placement, engine, export_placement, install
+
+from .helpers import assert_same_export
+from .te_cases import BF16, FP8, FP16, FP32, MODES, Mode, make_params, make_te_optimizer, train
+from .test_gpu_te import live_bits
+
+pytestmark = pytest.mark.gpu
+
+
+def nth_call_raises(k: int, exc: BaseException, fn: Any) -> Any:
+    calls = 0
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == k:
+            raise exc
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+FAULTS = {
+    "host_copy": (engine._Stager, "copy_async", RuntimeError("injected copy failure")),
+    "host_alloc": (engine, "empty_host", MemoryError("injected allocation failure")),
+    "interrupt": (engine._Stager, "copy_async", KeyboardInterrupt()),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+@pytest.mark.parametrize("mode", [MODES[3], MODES[6], MODES[7]], ids=lambda m: m.name)
+def test_export_fault_leaves_state_memory_and_pool_clean(
+    monkeypatch: pytest.MonkeyPatch, fault: str, mode: Mode
+) -> None:
+    install()
+    opt = make_te_optimizer(mode, make_params(mode, scale=32))
+    train(opt)
+    with export_placement(None):
+        reference = copy.deepcopy(opt.state_dict())  # detached from live FP32 states
+    before = live_bits(opt)
+    with export_placement("cpu"):
+        opt.state_dict()  # warm the pool
+    torch.cuda.synchronize()
+    gpu_base, pool = torch.cuda.memory_allocated(), engine.pinned_pool_bytes()
+    owner, attr, exc = FAULTS[fault]
+    monkeypatch.setattr(owner, attr, nth_call_raises(5, exc, getattr(owner, attr)))
+    with pytest.raises(type(exc)), export_placement("cpu"):
+        opt.state_dict()
+    monkeypatch.undo()
+    torch.cuda.synchronize()
+    assert current_placement() is None
+    assert torch.cuda.memory_allocated() == gpu_base, "GPU memory did not return to baseline"
+    assert engine.staging_in_use() == 0 and engine.pinned_pool_bytes() == pool
+    assert all(torch.equal(a, b) for a, b in zip(before, live_bits(opt), strict=True))
+    with export_placement("cpu"):
+        assert_same_export(opt.state_dict(), reference)
+
+
+@pytest.mark.parametrize("exc", [torch.cuda.OutOfMemoryError("injected"), KeyboardInterrupt()])
+@pytest.mark.parametrize("mode", [MODES[3], MODES[6], MODES[7]], ids=lambda m: m.name)
+def test_load_fault_rolls_back_on_gpu(
+    monkeypatch: pytest.MonkeyPatch, exc: BaseException, mode: Mode
+) -> None:
+    from transformer_engine.pytorch.optimizers import FusedAdam
+
+    install()
+    source = make_te_optimizer(mode, make_params(mode, seed=1, scale=16))
+    train(source, seed=1)
+    with export_placement("cpu"):
+        checkpoint = source.state_dict()
+    target = make_te_optimizer(mode, make_params(mode, seed=2, scale=16))
+    train(target, seed=2)
+    before, groups = (
+        live_bits(target),
+        copy.deepcopy([{k: v for k, v in g.items() if k != "params"} for g in target.param_groups]),
+    )
+    torch.cuda.synchronize()
+    gpu_base = torch.cuda.memory_allocated()
+    monkeypatch.setattr(
+        FusedAdam, "set_scaled_state", nth_call_raises(4, exc, FusedAdam.set_scaled_state)
+    )
+    with pytest.raises(type(exc)), export_placement("cpu"):
+        target.load_state_dict(checkpoint)
+    monkeypatch.undo()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == gpu_base
+    after = live_bits(target)
+    assert len(after) == len(before)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True)), "not rolled back"
+    assert groups == [{k: v for k, v in g.items() if k != "params"} for g in target.param_groups]
+    with export_placement("cpu"):
+        target.load_state_dict(checkpoint)
+        assert_same_export(target.state_dict(), checkpoint)
+
+
+def sample_layouts(count: int, seed: int = 1234) -> list[tuple[Mode, list[tuple[int, ...]]]]:
+    """A fixed sample of the CPU property test's layout space."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(count):
+        exp_avg = rng.choice([FP32, BF16, FP16, FP8])
+        exp_avg_sq = rng.choice([FP32, BF16, FP16, FP8])
+        master = rng.choice(["none", "fp32", "fp16", "remainder"])
+        param_dtype = BF16 if master == "remainder" else rng.choice([FP32, BF16])
+        mode = Mode(f"sample{i}", param_dtype, exp_avg, exp_avg_sq, master)
+        low = 1 if mode.scaled else 0
+        shapes = [
+            tuple(rng.randint(low, 9) for _ in range(rng.randint(1, 3)))
+            for _ in range(rng.randint(1, 6))
+        ]
+        out.append((mode, shapes))
+    return out
+
+
+@pytest.mark.parametrize(("mode", "shapes"), sample_layouts(12))
+def test_generated_layouts_round_trip_with_te(mode: Mode, shapes: list[tuple[int, ...]]) -> None:
+    from transformer_engine.pytorch.optimizers import FusedAdam
+
+    install()
+
+    def build(seed: int) -> Any:
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        params = [
+            torch.nn.Parameter(torch.randn(s, device="cuda", generator=gen).to(mode.param_dtype))
+            for s in shapes
+        ]
+        opt = FusedAdam(params, lr=1e-2, **mode.te_kwargs())
+        for p in params:
+            p.grad = torch.randn(p.shape, device="cuda", generator=gen).to(p.dtype)
+        opt.step()
+        return opt
+
+    source = build(1)
+    with export_placement(None):
+        te_export = copy.deepcopy(source.state_dict())
+    with export_placement("cpu"):
+        first = source.state_dict()
+    assert_same_export(first, te_export)
+    buffer = io.BytesIO()
+    torch.save(first, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    target, reference = build(2), build(2)
+    with export_placement("cpu"):
+        target.load_state_dict(saved)
+    reference.load_state_dict(copy.deepcopy(saved))
+    assert all(
+        torch.equal(a, b) for a, b in zip(live_bits(target), live_bits(reference), strict=True)
+    )
+    with export_placement("cpu"):
+        assert_same_export(target.state_dict(), first)
