@@ -85,6 +85,7 @@ def soak(cycles: int, n: int, m: int, moments: torch.dtype, reuse: bool) -> dict
     growth = {k: last[k] - first[k] for k in first}
     record["growth"] = growth
     print(f"{record['mode']} {label}: {cycles} cycles in {seconds:.1f} s, growth {growth}")
+    print(f"  first cycle {first}\n  last cycle  {last}", flush=True)
     return record
 
 
@@ -99,10 +100,13 @@ def main() -> int:
     if missing:
         print(f"The soak needs a CUDA GPU and Transformer Engine: {missing}.", file=sys.stderr)
         return 2
-    records = [
-        soak(args.cycles, args.n, args.m, torch.bfloat16, reuse=False),
-        soak(args.cycles, args.n, args.m, torch.uint8, reuse=True),
-    ]
+    records = []
+    for moments, reuse in ((torch.bfloat16, False), (torch.uint8, True)):
+        records.append(soak(args.cycles, args.n, args.m, moments, reuse=reuse))
+        if args.out is not None:  # written after each soak, so a cut-off run keeps what it did
+            args.out.write_text(
+                json.dumps({"machine": machine(), "records": records}, indent=1) + "\n"
+            )
     # Flat means: no GPU growth at all, a pool that does not grow, and host RSS within one
     # output's worth of allocator noise (glibc may keep freed small blocks).
     failures = []
@@ -112,8 +116,6 @@ def main() -> int:
             failures.append(f"{r['mode']}: device or pinned memory grew: {g}")
         if g["host_rss_bytes"] > 64 * MI:
             failures.append(f"{r['mode']}: host RSS grew by {g['host_rss_bytes']} bytes")
-    if args.out is not None:
-        args.out.write_text(json.dumps({"machine": machine(), "records": records}, indent=1) + "\n")
     for f in failures:
         print("NOT FLAT:", f)
     return 1 if failures else 0

@@ -6,7 +6,8 @@ Example:
     ...     state = optimizer.state_dict()  # doctest: +SKIP
 
 ``import te_ckpt_placement`` does not import Transformer Engine; ``te_ckpt_placement.FusedAdam``
-does, on first access.
+does, on first access. ``PassThroughStager`` and ``PlacedOptimizerState`` (from
+:mod:`te_ckpt_placement.dcp`) import torch.distributed.checkpoint on first access.
 """
 
 from __future__ import annotations
@@ -18,12 +19,15 @@ from .policy import Placement, current_placement, export_placement
 from .te_adapter import ContractError, install, is_installed, uninstall
 
 if TYPE_CHECKING:
+    from .dcp import PassThroughStager, PlacedOptimizerState
     from .fused_adam import FusedAdam
 
 __all__ = [
     "ContractError",
     "FusedAdam",
+    "PassThroughStager",
     "Placement",
+    "PlacedOptimizerState",
     "current_placement",
     "export_placement",
     "install",
@@ -51,4 +55,8 @@ def __getattr__(name: str) -> Any:
         from .fused_adam import FusedAdam
 
         return FusedAdam
+    if name in ("PassThroughStager", "PlacedOptimizerState"):
+        from . import dcp
+
+        return getattr(dcp, name)
     raise AttributeError(f"module 'te_ckpt_placement' has no attribute {name!r}")

@@ -233,29 +233,22 @@ def _stream_into(src: torch.Tensor, out: torch.Tensor, convert: Convert) -> None
             staged[i] = None  # type: ignore[call-overload]
 
 
-def _unscaled_table(fp8: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
-    """The FP32 value of every FP8 byte times ``scale``: TE's arithmetic, once per byte value."""
-    table = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8).float()
-    table.mul_(scale)
-    _canonicalize_nan(table)
-    return table
-
-
 def _convert_fn(source: StateSource) -> tuple[torch.dtype, Convert]:
     """The output dtype and the per-chunk host arithmetic of one state kind."""
     if source.kind == "copy":
         return source.data.dtype, lambda raw, out: out.copy_(raw)  # type: ignore[union-attr]
     if source.kind == "upcast":
         return torch.float32, lambda raw, out: out.copy_(raw)
-    if source.kind == "scaled":
+    if source.kind in ("scaled", "fp8"):
         assert source.scale is not None
         # A Python float holds the FP32 scale exactly, and torch multiplies an FP32 tensor by it
         # in FP32: the same single rounding as TE's multiply by the one-element scale tensor,
         # on the vectorized path (a mixed-dtype multiply is about eight times slower).
         factor = float(source.scale.reshape(-1)[0])
+        view = source.fp8_dtype  # FP8 bytes are read as this dtype; FP16 as they are
 
         def scaled(raw: torch.Tensor, out: torch.Tensor) -> None:
-            out.copy_(raw)  # FP16 to FP32 is exact
+            out.copy_(raw if view is None else raw.view(view))  # widening is exact
             out.mul_(factor)
             # A NaN makes the sum NaN; a cheap read pass replaces an isnan mask for the rare
             # chunk that can hold one (an infinite sum only says "look closer").
@@ -263,17 +256,6 @@ def _convert_fn(source: StateSource) -> tuple[torch.dtype, Convert]:
                 _canonicalize_nan(out)
 
         return torch.float32, scaled
-    if source.kind == "fp8":
-        assert source.scale is not None and source.fp8_dtype is not None
-        # Exact by construction: each output element is the table entry of its byte, computed
-        # with the same multiply. One gather pass replaces a slow scalar FP8 decode plus a
-        # multiply and a NaN pass.
-        table = _unscaled_table(source.fp8_dtype, source.scale.to("cpu").reshape(-1)[:1])
-
-        def fp8(raw: torch.Tensor, out: torch.Tensor) -> None:
-            torch.index_select(table, 0, raw.to(torch.int32), out=out)
-
-        return torch.float32, fp8
     raise ValueError(f"unknown state kind {source.kind!r}")
 
 

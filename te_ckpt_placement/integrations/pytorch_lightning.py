@@ -1,0 +1,35 @@
+"""The standalone ``pytorch_lightning`` package: the same names as :mod:`.lightning`.
+
+Importing this module imports ``pytorch_lightning``. A ``pytorch_lightning.Trainer`` accepts
+only ``pytorch_lightning.Callback`` subclasses, so use this module's :class:`PlacementCallback`
+with ``import pytorch_lightning as pl`` and :mod:`te_ckpt_placement.integrations.lightning`'s with
+``import lightning``. See :mod:`te_ckpt_placement.integrations.lightning` for the behaviour.
+"""
+
+from __future__ import annotations
+
+from pytorch_lightning import Callback
+
+from ._lightning import (
+    STRATEGY_METHODS,
+    PlacementCallbackLogic,
+    PlacementStrategyMixin,
+    place_strategy,
+    unplace_strategy,
+)
+
+__all__ = [
+    "STRATEGY_METHODS",
+    "PlacementCallback",
+    "PlacementStrategyMixin",
+    "place_strategy",
+    "unplace_strategy",
+]
+
+
+class PlacementCallback(PlacementCallbackLogic, Callback):
+    """The ``pytorch_lightning`` build of ``integrations.lightning.PlacementCallback``.
+
+    Args:
+        placement: ``"cpu"`` (default) or a ``Placement``.
+    """
