@@ -239,16 +239,15 @@ def _convert_fn(source: StateSource) -> tuple[torch.dtype, Convert]:
         return source.data.dtype, lambda raw, out: out.copy_(raw)  # type: ignore[union-attr]
     if source.kind == "upcast":
         return torch.float32, lambda raw, out: out.copy_(raw)
-    if source.kind in ("scaled", "fp8"):
+    if source.kind == "scaled":
         assert source.scale is not None
         # A Python float holds the FP32 scale exactly, and torch multiplies an FP32 tensor by it
         # in FP32: the same single rounding as TE's multiply by the one-element scale tensor,
         # on the vectorized path (a mixed-dtype multiply is about eight times slower).
         factor = float(source.scale.reshape(-1)[0])
-        view = source.fp8_dtype  # FP8 bytes are read as this dtype; FP16 as they are
 
         def scaled(raw: torch.Tensor, out: torch.Tensor) -> None:
-            out.copy_(raw if view is None else raw.view(view))  # widening is exact
+            out.copy_(raw)  # FP16 to FP32 is exact
             out.mul_(factor)
             # A NaN makes the sum NaN; a cheap read pass replaces an isnan mask for the rare
             # chunk that can hold one (an infinite sum only says "look closer").
@@ -256,6 +255,17 @@ def _convert_fn(source: StateSource) -> tuple[torch.dtype, Convert]:
                 _canonicalize_nan(out)
 
         return torch.float32, scaled
+    if source.kind == "fp8":
+        assert source.scale is not None and source.fp8_dtype is not None
+        scale, fp8 = source.scale.to("cpu"), source.fp8_dtype
+
+        # TE's own CPU formula (float8_tensor_storage.py L36-42): widen, multiply by scale_inv.
+        def dequantize(raw: torch.Tensor, out: torch.Tensor) -> None:
+            out.copy_(raw.view(fp8))
+            out.mul_(scale)
+            _canonicalize_nan(out)
+
+        return torch.float32, dequantize
     raise ValueError(f"unknown state kind {source.kind!r}")
 
 

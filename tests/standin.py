@@ -131,12 +131,12 @@ class StandInFusedAdam(torch.optim.Optimizer):
         if isinstance(local, DTensor):
             local = local._local_tensor
         if dtype == torch.uint8:
-            return local.float()
+            return _cuda_nan(local.float())
         if dtype == torch.float16:
             assert local.dtype == torch.float16
             unscaled = local.float()
             unscaled.mul_(self._scales[param][state_name])
-            return unscaled
+            return _cuda_nan(unscaled)
         if dtype == torch.float32:
             if self._is_remainder(param, state_name):
                 assert local.dtype == torch.int16
@@ -312,6 +312,13 @@ class StandInFusedAdam(torch.optim.Optimizer):
                 else:
                     local_p.copy_(master.to(local_p.dtype))
         return None
+
+
+def _cuda_nan(t: torch.Tensor) -> torch.Tensor:
+    """NaNs as TE's GPU multiply writes them (0x7FFFFFFF); an x86 multiply keeps payloads."""
+    if t.device.type == "cpu":
+        t.view(torch.int32)[t.isnan()] = 0x7FFFFFFF
+    return t
 
 
 def _split_remainder(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

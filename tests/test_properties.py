@@ -37,9 +37,9 @@ def layouts(draw: st.DrawFn) -> dict[str, Any]:
     param_dtype = BF16 if master == "remainder" else draw(st.sampled_from([FP32, BF16]))
     # TE cannot keep scaled states of empty or 0-dim params (aminmax on empty, L298; an
     # in-place multiply by a [1]-shaped scale, L337), so those layouts get none.
-    scaled = {FP16, FP8} & {exp_avg, exp_avg_sq} or master == "fp16"
-    dim = st.integers(1 if scaled else 0, 5)
-    shape = st.lists(dim, min_size=1 if scaled else 0, max_size=3).map(tuple)
+    is_scaled = {FP16, FP8} & {exp_avg, exp_avg_sq} or master == "fp16"
+    dim = st.integers(1 if is_scaled else 0, 5)
+    shape = st.lists(dim, min_size=1 if is_scaled else 0, max_size=3).map(tuple)
     shapes = draw(st.lists(shape, min_size=1, max_size=6))
     cuts = sorted(draw(st.lists(st.integers(0, len(shapes)), max_size=2)))
     return {
@@ -97,4 +97,14 @@ def test_export_save_load_export_round_trip(layout: dict[str, Any], seed: int) -
     assert_view_equal(optimizer_view(reference), optimizer_view(target))
     with export_placement("cpu"):
         second = target.state_dict()
-    assert_same_export(second, first)
+    with export_placement(None):
+        assert_same_export(second, reference.state_dict())
+    if not scaled(layout):
+        assert_same_export(second, first)
+    # Scaled (FP16/FP8) states are not idempotent through TE itself: its load derives a new
+    # scale from the loaded values and re-quantizes, so only equality with TE's own result holds.
+
+
+def scaled(layout: dict[str, Any]) -> bool:
+    moments = {layout["exp_avg"], layout["exp_avg_sq"]}
+    return bool({FP16, FP8} & moments) or layout["master"] == "fp16"
