@@ -25,12 +25,15 @@ __all__ = [
 #   optimizer BEFORE any `on_save_checkpoint` hook or CheckpointIO sees the checkpoint.
 # - get_optimizer_state: Fabric saves (`fabric.save` -> `_convert_stateful_objects_in_state`)
 #   and `_FabricOptimizer.state_dict()`.
+# - save_checkpoint: DeepSpeed's engine exports its optimizer there (`deepspeed_engine.
+#   save_checkpoint`); for the other strategies it only writes the already exported dict.
 # - load_optimizer_state_dict: Trainer resume (`restore_optimizers`), `optimizer.load_state_dict`.
 # - load_checkpoint: reads the checkpoint; FSDP, ModelParallel (FSDP2/TP) and DeepSpeed load the
 #   optimizer state inside it, and Fabric's `fabric.load` calls `optimizer.load_state_dict` there.
 STRATEGY_METHODS = (
     "optimizer_state",
     "get_optimizer_state",
+    "save_checkpoint",
     "load_optimizer_state_dict",
     "load_checkpoint",
 )
@@ -88,7 +91,8 @@ class PlacementCallbackLogic:
 class PlacementStrategyMixin:
     """For custom strategies: ``class MyStrategy(PlacementStrategyMixin, FSDPStrategy)``.
 
-    Runs ``optimizer_state``, ``load_optimizer_state_dict`` and ``load_checkpoint`` inside
+    Runs ``optimizer_state``, ``save_checkpoint``, ``load_optimizer_state_dict`` and
+    ``load_checkpoint`` inside
     ``export_placement(optimizer_export_placement)``, for the strategy's whole life (also for
     ``trainer.save_checkpoint`` calls after ``fit`` returns).
 
@@ -101,6 +105,10 @@ class PlacementStrategyMixin:
     def optimizer_state(self, optimizer: Any) -> Any:
         with export_placement(as_placement(self.optimizer_export_placement)):
             return super().optimizer_state(optimizer)  # type: ignore[misc]
+
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        with export_placement(as_placement(self.optimizer_export_placement)):
+            return super().save_checkpoint(*args, **kwargs)  # type: ignore[misc]
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         with export_placement(as_placement(self.optimizer_export_placement)):
