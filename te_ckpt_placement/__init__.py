@@ -20,11 +20,11 @@ from .te_adapter import ContractError, install, is_installed, uninstall
 
 if TYPE_CHECKING:
     from .dcp import PassThroughStager, PlacedOptimizerState
-    from .fused_adam import FusedAdam
+    from .fused_adam import FusedAdam as FusedAdam
 
+# FusedAdam is not listed: `from te_ckpt_placement import *` must work without TE installed.
 __all__ = [
     "ContractError",
-    "FusedAdam",
     "PassThroughStager",
     "Placement",
     "PlacedOptimizerState",
@@ -50,9 +50,13 @@ def release_buffers() -> None:
     engine.clear_pinned_pool()
 
 
+def __dir__() -> list[str]:
+    return sorted([*globals(), "FusedAdam", "PassThroughStager", "PlacedOptimizerState"])
+
+
 def __getattr__(name: str) -> Any:
     if name == "FusedAdam":
-        from .fused_adam import FusedAdam
+        from .fused_adam import FusedAdam as FusedAdam
 
         return FusedAdam
     if name in ("PassThroughStager", "PlacedOptimizerState"):

@@ -196,6 +196,7 @@ class PassThroughStager(AsyncStager):
         Returns:
             The staged dict, or a ``Future`` of it when the inner stager stages asynchronously.
         """
+        self._future = None  # synchronize_staging waits for this call's staging only
         skeleton, kept = _split(state_dict)
         if self._inner is None:
             stager = DefaultStager(StagingOptions(*ASYNC_SAVE_DEFAULT_OPTIONS))
@@ -328,10 +329,11 @@ class PlacedOptimizerState(Stateful):
                 "and merging model parts need"
             )
         elif options.full_state_dict:
-            # Saving would work, but torch (2.11 to 2.13 at least) cannot load a flattened full
-            # state dict: set_optimizer_state_dict raises KeyError 'param_groups.0.params.0',
-            # for torch.optim.Adam too. Refusing here beats failing at resume time; DCP
-            # reshards sharded checkpoints by itself, so full_state_dict buys nothing here.
+            # Saving would work, but torch 2.13 cannot load a flattened full state dict
+            # (set_optimizer_state_dict raises KeyError 'param_groups.0.params.0', for
+            # torch.optim.Adam too; the code is the same in 2.11). Refusing here beats failing
+            # at resume time; DCP reshards sharded checkpoints by itself, so full_state_dict buys
+            # nothing here.
             raise ValueError(
                 "unsupported options: full_state_dict=True; valid values are "
                 "StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True or False). "

@@ -251,3 +251,15 @@ def test_import_does_not_import_transformer_engine() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_star_import_works_without_transformer_engine() -> None:
+    code = (
+        "import sys\n"
+        "from te_ckpt_placement import *  # noqa: F403\n"
+        "assert export_placement and current_placement and Placement  # noqa: F405\n"
+        "assert not [m for m in sys.modules if m.startswith('transformer_engine')]\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
