@@ -66,6 +66,13 @@ def _ensure_root_on_path() -> None:
         sys.path.insert(0, str(ROOT))
 
 
+def _measured(result: dict[str, Any]) -> Any:
+    _ensure_root_on_path()
+    from benchmarks.export_memory import measured
+
+    return measured(result)
+
+
 def requirements_missing() -> str | None:
     """Why this benchmark cannot run here, or None."""
     if not torch.cuda.is_available():
@@ -191,28 +198,6 @@ def blank(tree: Any) -> None:
 
 
 # --- measurement --------------------------------------------------------------------------------
-@contextlib.contextmanager
-def measured(result: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """Fills ``result`` with GPU peak, host RSS peak and seconds of the block."""
-    from benchmarks.export_memory import HostPeak, rss
-
-    gc.collect()
-    torch.cuda.synchronize()
-    gpu_base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    host_base = rss()
-    with HostPeak() as host:
-        start = time.perf_counter()
-        result["_start"] = start
-        yield result
-        torch.cuda.synchronize()
-        result["seconds_total"] = time.perf_counter() - start
-    result.setdefault("seconds", result["seconds_total"])
-    result["peak_extra_gpu_bytes"] = torch.cuda.max_memory_allocated() - gpu_base
-    result["peak_extra_host_bytes"] = host.peak - host_base
-    del result["_start"]
-
-
 def counting_pass_through() -> Any:
     """A PassThroughStager that counts the exported tensors it handed on without a copy."""
     from te_ckpt_placement import PassThroughStager
@@ -346,7 +331,7 @@ def run_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
         for mode in MODES["dcp_save"]:
             path = checkpoint_dir(f"save_{mode}")
             result: dict[str, Any] = {}
-            with measured(result):
+            with _measured(result):
                 policy = (
                     export_placement("cpu") if mode == "placement_cpu" else contextlib.nullcontext()
                 )
@@ -365,7 +350,7 @@ def run_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
             path = checkpoint_dir(f"async_{mode}")
             stager = counting_pass_through() if mode.endswith("passthrough_stager") else None
             result = {}
-            with measured(result):
+            with _measured(result):
                 policy = (
                     export_placement("cpu") if mode != "te_default" else contextlib.nullcontext()
                 )
@@ -407,7 +392,7 @@ def run_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
             train_step(model, opt, hidden)  # the load has to undo this step
             assert fingerprint(model, opt).keys() == before.keys()
             result = {}
-            with measured(result):
+            with _measured(result):
                 policy = (
                     export_placement("cpu") if mode == "placement_cpu" else contextlib.nullcontext()
                 )

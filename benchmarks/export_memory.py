@@ -22,6 +22,7 @@ Without CUDA and Transformer Engine it says what it needs and exits with status 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -30,7 +31,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -181,8 +182,13 @@ def verify(sd: dict[str, Any], model: Any, opt: Any) -> list[str]:
     return sorted(devices)
 
 
-def timed(fn: Callable[[], Any]) -> tuple[Any, dict[str, Any]]:
-    """Runs ``fn`` once: its result, GPU peak above the start, host RSS peak, seconds."""
+@contextlib.contextmanager
+def measured(result: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Fills ``result`` with the GPU peak, host RSS peak and seconds of the block.
+
+    ``result["_start"]`` is the block's start time, for callers that also time a part of it
+    (they set ``result["seconds"]`` themselves; it defaults to the whole block).
+    """
     gc.collect()
     torch.cuda.synchronize()
     gpu_base = torch.cuda.memory_allocated()
@@ -190,14 +196,22 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, dict[str, Any]]:
     host_base = rss()
     with HostPeak() as host:
         start = time.perf_counter()
-        out = fn()
+        result["_start"] = start
+        yield result
         torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
-    return out, {
-        "peak_extra_gpu_bytes": torch.cuda.max_memory_allocated() - gpu_base,
-        "peak_extra_host_bytes": host.peak - host_base,
-        "seconds": seconds,
-    }
+        result["seconds_total"] = time.perf_counter() - start
+    result.setdefault("seconds", result["seconds_total"])
+    result["peak_extra_gpu_bytes"] = torch.cuda.max_memory_allocated() - gpu_base
+    result["peak_extra_host_bytes"] = host.peak - host_base
+    del result["_start"]
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, dict[str, Any]]:
+    """Runs ``fn`` once: its result, GPU peak above the start, host RSS peak, seconds."""
+    result: dict[str, Any] = {}
+    with measured(result):
+        out = fn()
+    return out, result
 
 
 def measure(mode: str, model: Any, opt: Any) -> dict[str, Any]:

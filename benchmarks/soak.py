@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.export_memory import MI, machine, requirements_missing, rss
+from benchmarks.export_memory import MI, build, machine, requirements_missing, rss
 
 
 def snapshot() -> dict[str, int]:
@@ -38,24 +38,9 @@ def snapshot() -> dict[str, int]:
 
 
 def soak(cycles: int, n: int, m: int, moments: torch.dtype, reuse: bool) -> dict[str, Any]:
-    from transformer_engine.pytorch.optimizers import FusedAdam
-
     from te_ckpt_placement import export_placement
 
-    sizes = [m] * (n // m)
-    params = [torch.nn.Parameter(torch.randn(s, device="cuda").bfloat16()) for s in sizes]
-    opt = FusedAdam(
-        params,
-        lr=1e-3,
-        master_weights=True,
-        store_param_remainders=True,
-        exp_avg_dtype=moments,
-        exp_avg_sq_dtype=moments,
-    )
-    for p in params:
-        p.grad = torch.randn_like(p)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    _, opt = build(n, m, moments)
     policy = export_placement("cpu", reuse_buffers=reuse)
     first: dict[str, int] = {}
     start = time.perf_counter()

@@ -482,8 +482,10 @@ def install() -> None:
         ContractError: the installed TE's FusedAdam lacks what the export relies on.
     """
     global _auto_install, _warned_uninstalled
+    # Imported outside the lock: the import may run the import watcher, which takes the lock.
+    fused_adam = _te_class()
     with _lock:
-        patch_class(_te_class())
+        patch_class(fused_adam)
         _auto_install = True
         _warned_uninstalled = False
 
@@ -515,6 +517,12 @@ def ensure_installed() -> None:
     fused_adam = getattr(module, "FusedAdam", None) if module is not None else None
     if fused_adam is not None and is_patched(fused_adam):
         return
+    if module is not None and fused_adam is None:
+        # Another thread is importing TE's optimizer module right now: wait for it (outside the
+        # lock, which that import's watcher may need), then hook the finished class.
+        with contextlib.suppress(ImportError):
+            module = importlib.import_module(TE_OPTIMIZER_MODULE)
+        fused_adam = getattr(module, "FusedAdam", None)
     with _lock:
         if not _auto_install:
             if not _warned_uninstalled:
@@ -528,7 +536,7 @@ def ensure_installed() -> None:
             return
         if fused_adam is not None:
             patch_class(fused_adam)
-        elif module is None:
+        elif sys.modules.get(TE_OPTIMIZER_MODULE) is None:
             _add_import_watcher()
 
 
@@ -550,7 +558,10 @@ class _ImportWatcher(importlib.abc.MetaPathFinder):
         def exec_and_hook(module: ModuleType) -> None:
             exec_module(module)
             if _auto_install and hasattr(module, "FusedAdam"):
-                patch_class(module.FusedAdam)
+                # An incompatible TE must not break `import transformer_engine`: the next policy
+                # entry hooks again and raises the ContractError where the user asked for it.
+                with contextlib.suppress(ContractError):
+                    patch_class(module.FusedAdam)
 
         loader.exec_module = exec_and_hook  # type: ignore[method-assign]
         return spec

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -28,3 +29,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 reason = "needs 2 CUDA GPUs"
             if reason is not None:
                 item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture
+def hooked_standin() -> Iterator[None]:
+    """The CPU stand-in's state_dict/load_state_dict follow the policy, as TE's do once hooked."""
+    from te_ckpt_placement import te_adapter
+
+    from .standin import StandInFusedAdam
+
+    te_adapter.patch_class(StandInFusedAdam)
+    yield
+    te_adapter.unpatch_class(StandInFusedAdam)

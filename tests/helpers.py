@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -96,3 +98,21 @@ def assert_snapshot_equal(a: dict[Any, Any], b: dict[Any, Any]) -> None:
         assert a[p].keys() == b[p].keys()
         for name in a[p]:
             assert torch.equal(a[p][name], b[p][name]), f"live state {name} changed"
+
+
+def through_torch_save(obj: Any) -> Any:
+    """``obj`` after a ``torch.save``/``torch.load`` round trip (weights only)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def peak_extra(fn: Callable[[], Any]) -> tuple[Any, int]:
+    """Runs ``fn`` and returns its result and the CUDA allocation peak above the start."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, torch.cuda.max_memory_allocated() - base

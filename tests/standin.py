@@ -215,17 +215,20 @@ class StandInFusedAdam(torch.optim.Optimizer):
                 local = param._local_tensor if isinstance(param, DTensor) else param
                 self.set_scaled_state(param, "master_param", local.clone().detach().float())
 
-    # --- TE L482-513 -------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        state_dict = super().state_dict()
+    def _id_map(self, state_dict: dict[str, Any]) -> dict[int, torch.Tensor]:
         saved_groups = deepcopy(state_dict["param_groups"])
-        id_map = dict(
+        return dict(
             zip(
                 chain.from_iterable(g["params"] for g in saved_groups),
                 chain.from_iterable(g["params"] for g in self.param_groups),
                 strict=False,
             )
         )
+
+    # --- TE L482-513 -------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        state_dict = super().state_dict()
+        id_map = self._id_map(state_dict)
         for k, v in state_dict["state"].items():
             if k in id_map:
                 param = id_map[k]
@@ -246,14 +249,7 @@ class StandInFusedAdam(torch.optim.Optimizer):
     # --- TE L515-548 -------------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        saved_groups = deepcopy(state_dict["param_groups"])
-        id_map = dict(
-            zip(
-                chain.from_iterable(g["params"] for g in saved_groups),
-                chain.from_iterable(g["params"] for g in self.param_groups),
-                strict=False,
-            )
-        )
+        id_map = self._id_map(state_dict)
         for k, v in state_dict["state"].items():
             if k in id_map:
                 param = id_map[k]

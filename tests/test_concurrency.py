@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
-from te_ckpt_placement import current_placement, engine, export_placement, te_adapter
+from te_ckpt_placement import current_placement, engine, export_placement
 
 from .helpers import aliases_live, assert_same_export, exported_tensors, live_storages
 from .standin import StandInFusedAdam, make_optimizer, train
@@ -24,11 +23,7 @@ POLICIES: list[dict[str, Any]] = [
 MOMENTS = [torch.float32, torch.bfloat16, torch.float16, torch.uint8]
 
 
-@pytest.fixture(autouse=True)
-def hooked_standin() -> Iterator[None]:
-    te_adapter.patch_class(StandInFusedAdam)
-    yield
-    te_adapter.unpatch_class(StandInFusedAdam)
+pytestmark = pytest.mark.usefixtures("hooked_standin")
 
 
 def case(i: int) -> tuple[StandInFusedAdam, dict[str, Any], dict[str, Any]]:

@@ -22,7 +22,6 @@ check on ``fully_shard`` models, each against an uninterrupted or never-checkpoi
 from __future__ import annotations
 
 import copy
-import datetime
 import math
 import warnings
 from collections.abc import Callable, Iterator
@@ -47,10 +46,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from te_ckpt_placement import PassThroughStager, PlacedOptimizerState, export_placement, te_adapter
+from te_ckpt_placement import PassThroughStager, PlacedOptimizerState, export_placement
 from te_ckpt_placement.engine import is_exported
 
 from .helpers import assert_bit_equal, assert_same_export, assert_snapshot_equal, bits, local
@@ -65,17 +64,14 @@ from .test_dtensor import (
     _ordered_params,
     _train_global,
 )
+from .test_dtensor import _init as _init_mesh
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 # dcp.async_save's own stager when none is given (state_dict_saver.py): all four options off.
 ASYNC_SAVE_DEFAULTS = StagingOptions(False, False, False, False)
 
 
-@pytest.fixture(autouse=True)
-def hooked_standin() -> Iterator[None]:
-    te_adapter.patch_class(StandInFusedAdam)
-    yield
-    te_adapter.unpatch_class(StandInFusedAdam)
+pytestmark = pytest.mark.usefixtures("hooked_standin")
 
 
 # --- shared checks ------------------------------------------------------------------------------
@@ -330,18 +326,11 @@ def test_placed_optimizer_state_model_parts_round_trip(tmp_path: Path) -> None:
 
 # --- the 2-rank checks --------------------------------------------------------------------------
 def _init(rank: int, port: int) -> tuple[DeviceMesh, Any]:
-    dist.init_process_group(
-        "gloo",
-        rank=rank,
-        world_size=WORLD,
-        init_method=f"tcp://127.0.0.1:{port}",
-        timeout=datetime.timedelta(seconds=120),
-    )
-    te_adapter.patch_class(StandInFusedAdam)
+    mesh = _init_mesh(rank, port)
     warnings.filterwarnings("ignore", "Ignoring pin_memory", UserWarning)
     # Async saves run their collectives in a background thread: a group of their own keeps
     # them from interleaving with the main thread's (torchtitan does the same).
-    return init_device_mesh("cpu", (WORLD,)), dist.new_group(backend="gloo")
+    return mesh, dist.new_group(backend="gloo")
 
 
 def _param_dtype(master: str) -> torch.dtype:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -26,11 +25,7 @@ MOMENTS = [torch.float32, torch.bfloat16, torch.float16, torch.uint8]
 MASTERS = ["none", "fp32", "fp16", "remainder"]
 
 
-@pytest.fixture(autouse=True)
-def hooked_standin() -> Iterator[None]:
-    te_adapter.patch_class(StandInFusedAdam)
-    yield
-    te_adapter.unpatch_class(StandInFusedAdam)
+pytestmark = pytest.mark.usefixtures("hooked_standin")
 
 
 def model_params(

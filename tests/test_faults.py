@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -14,12 +13,7 @@ from te_ckpt_placement import current_placement, engine, export_placement, te_ad
 from .helpers import assert_same_export, assert_snapshot_equal, snapshot
 from .standin import StandInFusedAdam, make_optimizer, train
 
-
-@pytest.fixture(autouse=True)
-def hooked_standin() -> Iterator[None]:
-    te_adapter.patch_class(StandInFusedAdam)
-    yield
-    te_adapter.unpatch_class(StandInFusedAdam)
+pytestmark = pytest.mark.usefixtures("hooked_standin")
 
 
 def build(moments: torch.dtype = torch.bfloat16, master: str = "fp32", seed: int = 0) -> Any:

@@ -64,21 +64,12 @@ def build(moments: torch.dtype, seed: int) -> tuple[torch.nn.Module, Any]:
     return model, opt
 
 
-def peak_extra(fn: Any) -> tuple[Any, int]:
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    out = fn()
-    torch.cuda.synchronize()
-    return out, torch.cuda.max_memory_allocated() - base
-
-
 def worker(rank: int, port: int, results_path: str | None) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
     from torch.distributed.tensor import DTensor
 
     from te_ckpt_placement import export_placement, install
-    from tests.helpers import assert_owns_storage, assert_same_export
+    from tests.helpers import assert_owns_storage, assert_same_export, peak_extra
 
     torch.cuda.set_device(rank)
     dist.init_process_group(

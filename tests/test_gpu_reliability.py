@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import io
 import random
 from typing import Any
 
@@ -12,31 +11,12 @@ import torch
 
 from te_ckpt_placement import current_placement, engine, export_placement, install
 
-from .helpers import assert_same_export
+from .helpers import assert_same_export, through_torch_save
 from .te_cases import BF16, FP8, FP16, FP32, MODES, Mode, make_params, make_te_optimizer, train
+from .test_faults import FAULTS, nth_call_raises
 from .test_gpu_te import live_bits
 
 pytestmark = pytest.mark.gpu
-
-
-def nth_call_raises(k: int, exc: BaseException, fn: Any) -> Any:
-    calls = 0
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        nonlocal calls
-        calls += 1
-        if calls == k:
-            raise exc
-        return fn(*args, **kwargs)
-
-    return wrapper
-
-
-FAULTS = {
-    "host_copy": (engine._Stager, "copy_async", RuntimeError("injected copy failure")),
-    "host_alloc": (engine, "empty_host", MemoryError("injected allocation failure")),
-    "interrupt": (engine._Stager, "copy_async", KeyboardInterrupt()),
-}
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))
@@ -153,10 +133,7 @@ def test_generated_layouts_round_trip_with_te(mode: Mode, shapes: list[tuple[int
     with export_placement("cpu"):
         first = source.state_dict()
     assert_same_export(first, te_export)
-    buffer = io.BytesIO()
-    torch.save(first, buffer)
-    buffer.seek(0)
-    saved = torch.load(buffer, weights_only=True)
+    saved = through_torch_save(first)
     target, reference = build(2), build(2)
     with export_placement("cpu"):
         target.load_state_dict(saved)

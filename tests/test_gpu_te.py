@@ -21,6 +21,7 @@ from .helpers import (
     bits,
     exported_tensors,
     live_storages,
+    peak_extra,
     snapshot,
 )
 from .te_cases import FP8, FP16, MODES, Mode, make_params, make_te_optimizer, train
@@ -38,16 +39,6 @@ def hooked() -> Iterator[None]:
 def te_reference(opt: torch.optim.Optimizer) -> dict[str, Any]:
     with export_placement(None):
         return opt.state_dict()
-
-
-def peak_extra(fn: Any) -> tuple[Any, int]:
-    """Runs ``fn`` and returns its result and the GPU allocation peak above the start."""
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    out = fn()
-    torch.cuda.synchronize()
-    return out, torch.cuda.max_memory_allocated() - base
 
 
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)

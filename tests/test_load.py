@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import copy
 import itertools
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
-from te_ckpt_placement import export_placement, te_adapter
+from te_ckpt_placement import export_placement
 
 from .helpers import assert_same_export, assert_snapshot_equal, bits, local, snapshot
 from .standin import StandInFusedAdam, make_optimizer, train
@@ -19,11 +18,7 @@ MOMENTS = [torch.float32, torch.bfloat16, torch.float16, torch.uint8]
 MASTERS = ["none", "fp32", "fp16", "remainder"]
 
 
-@pytest.fixture(autouse=True)
-def hooked_standin() -> Iterator[None]:
-    te_adapter.patch_class(StandInFusedAdam)
-    yield
-    te_adapter.unpatch_class(StandInFusedAdam)
+pytestmark = pytest.mark.usefixtures("hooked_standin")
 
 
 def build(moments: torch.dtype, master: str, seed: int = 0) -> StandInFusedAdam:

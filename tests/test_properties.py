@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import copy
-import io
 import itertools
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -13,20 +11,16 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from te_ckpt_placement import export_placement, te_adapter
+from te_ckpt_placement import export_placement
 
-from .helpers import assert_same_export
+from .helpers import assert_same_export, through_torch_save
 from .standin import StandInFusedAdam, train
 from .test_faults import assert_view_equal, optimizer_view
 
 BF16, FP16, FP32, FP8 = torch.bfloat16, torch.float16, torch.float32, torch.uint8
 
 
-@pytest.fixture(autouse=True, scope="module")
-def hooked_standin() -> Iterator[None]:
-    te_adapter.patch_class(StandInFusedAdam)
-    yield
-    te_adapter.unpatch_class(StandInFusedAdam)
+pytestmark = pytest.mark.usefixtures("hooked_standin")
 
 
 @st.composite
@@ -75,7 +69,11 @@ def build(layout: dict[str, Any], seed: int) -> StandInFusedAdam:
     return opt
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(layout=layouts(), seed=st.integers(0, 2**16))
 def test_export_save_load_export_round_trip(layout: dict[str, Any], seed: int) -> None:
     source = build(layout, seed)
@@ -85,10 +83,7 @@ def test_export_save_load_export_round_trip(layout: dict[str, Any], seed: int) -
         first = source.state_dict()
     assert_same_export(first, te_export)
 
-    buffer = io.BytesIO()
-    torch.save(first, buffer)
-    buffer.seek(0)
-    saved = torch.load(buffer, weights_only=True)
+    saved = through_torch_save(first)
 
     target, reference = build(layout, seed + 1), build(layout, seed + 1)
     with export_placement("cpu"):
