@@ -196,14 +196,14 @@ def _param_local(param: torch.Tensor) -> torch.Tensor:
 
 def plan_load(
     optimizer: Any, state_dict: Any
-) -> tuple[dict[Any, torch.Tensor], list[tuple[Any, torch.Tensor, dict[str, torch.Tensor]]]]:
+) -> list[tuple[Any, torch.Tensor, dict[str, torch.Tensor]]]:
     """Validates a checkpoint against the optimizer without touching either.
 
     Checks what torch's and TE's ``load_state_dict`` would check, and what they would silently get
     wrong: group layout, state names, local shapes, and int16 remainders against FP32 masters.
 
     Returns:
-        ``id_map`` (saved index to param) and ``[(index, param, {name: value})]`` to load.
+        ``[(index, param, {name: value})]``: every state to load, in checkpoint order.
     """
     if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
         raise ValueError(
@@ -277,7 +277,7 @@ def plan_load(
                 )
             entries[name] = value
         plan.append((index, param, entries))
-    return id_map, plan
+    return plan
 
 
 def _reusable(optimizer: Any, param: torch.Tensor, name: str, live: Any) -> Any:
@@ -350,7 +350,7 @@ def stream_load_state_dict(
     a KeyboardInterrupt) puts the previous state back when ``rollback`` is set (see _Rollback).
     """
     check_contract(optimizer)
-    _, plan = plan_load(optimizer, state_dict)
+    plan = plan_load(optimizer, state_dict)
     # Capture the live states before torch replaces optimizer.state.
     live = {param: dict(optimizer.state.get(param, {})) for _, param, _ in plan}
     planned = {index for index, _, _ in plan}
