@@ -233,12 +233,16 @@ def _stream_into(src: torch.Tensor, out: torch.Tensor, convert: Convert) -> None
             staged[i] = None  # type: ignore[call-overload]
 
 
+def _copy(raw: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(raw)  # same dtype, or BF16 widened to FP32, which is exact
+
+
 def _convert_fn(source: StateSource) -> tuple[torch.dtype, Convert]:
     """The output dtype and the per-chunk host arithmetic of one state kind."""
-    if source.kind == "copy":
-        return source.data.dtype, lambda raw, out: out.copy_(raw)  # type: ignore[union-attr]
-    if source.kind == "upcast":
-        return torch.float32, lambda raw, out: out.copy_(raw)
+    if source.kind in ("copy", "upcast"):
+        assert source.data is not None
+        dtype = source.data.dtype if source.kind == "copy" else torch.float32
+        return dtype, _copy
     if source.kind == "scaled":
         assert source.scale is not None
         # A Python float holds the FP32 scale exactly, and torch multiplies an FP32 tensor by it
@@ -291,7 +295,7 @@ class BufferCache:
         with self._lock:
             for storage in self._storages.get(key, []):
                 if self._idle(storage):
-                    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+                    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)  # type: ignore[call-overload]
             out = empty_host(shape, dtype)
             self._storages.setdefault(key, []).append(out.untyped_storage())
             return out

@@ -165,7 +165,8 @@ def describe_state(
 def stream_state_dict(optimizer: Any, placement: Placement, owner: type) -> dict[str, Any]:
     """TE's ``state_dict`` (L482-513) with every state placed on the host as it is produced."""
     check_contract(optimizer)
-    state_dict = super(owner, optimizer).state_dict()
+    # The method TE's own state_dict calls as super() (torch's Optimizer.state_dict).
+    state_dict = super(owner, optimizer).state_dict()  # type: ignore[arg-type]
     # Every state is described (and so validated) before the first copy: an export that cannot
     # complete fails without having done any work.
     plan: engine.Plan = [
@@ -239,8 +240,11 @@ def plan_load(
                 raise _load_error(index, name, f"TE FusedAdam keeps only {', '.join(STATE_NAMES)}")
             if not isinstance(value, torch.Tensor):
                 raise _load_error(index, name, f"expected a tensor, found {type(value).__name__}")
-            both_sharded = isinstance(value, DTensor) and isinstance(param, DTensor)
-            if both_sharded and tuple(value.placements) != tuple(param.placements):
+            if (
+                isinstance(value, DTensor)
+                and isinstance(param, DTensor)
+                and tuple(value.placements) != tuple(param.placements)
+            ):
                 raise _load_error(
                     index,
                     name,
@@ -360,7 +364,7 @@ def stream_load_state_dict(
     stripped["state"] = {k: ({} if k in planned else v) for k, v in state_dict["state"].items()}
     undo = _Rollback(optimizer) if rollback else None
     try:
-        super(owner, optimizer).load_state_dict(stripped)
+        super(owner, optimizer).load_state_dict(stripped)  # type: ignore[arg-type]
         for _, param, entries in plan:
             state: dict[str, Any] = {}
             optimizer.state[param] = state
@@ -428,8 +432,8 @@ def patch_class(cls: type) -> None:
         missing = _missing(cls, _REQUIRED_CLASS_ATTRS)
         if missing:
             _raise_contract(cls.__qualname__, missing)
-        original_save = cls.__dict__.get("state_dict", cls.state_dict)
-        original_load = cls.__dict__.get("load_state_dict", cls.load_state_dict)  # type: ignore[attr-defined]
+        original_save = cls.__dict__.get("state_dict", getattr(cls, "state_dict", None))
+        original_load = cls.__dict__.get("load_state_dict", getattr(cls, "load_state_dict", None))
 
         def state_dict(self: Any) -> Any:
             return placed_state_dict(self, cls, original_save)
