@@ -23,6 +23,10 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FAKE_VERSION = "2.20.2+fake.te.adapter.test"
 TIMEOUT_S = 300
+# How long a slow import of the fake TE lasts, and how long a scenario waits for its threads
+# before calling them deadlocked.
+SLOW_IMPORT_S = 1.0
+DEADLOCK_S = 15
 
 # --- the fake transformer_engine package ----------------------------------------------------
 
@@ -140,7 +144,15 @@ class FusedAdam(torch.optim.Optimizer):
 ORIGINALS = {name: FusedAdam.__dict__[name] for name in ("state_dict", "load_state_dict")}
 '''
 
-FAKES = {"fake_te": FAKE_FUSED_ADAM, "fake_te_without_contract": FAKE_FUSED_ADAM_WITHOUT_CONTRACT}
+# The same FusedAdam, in a module that is slow to import (TE's takes seconds): meanwhile another
+# thread finds the module in sys.modules, without FusedAdam yet.
+FAKE_FUSED_ADAM_SLOW = f"import time\n\ntime.sleep({SLOW_IMPORT_S})\n\n" + FAKE_FUSED_ADAM
+
+FAKES = {
+    "fake_te": FAKE_FUSED_ADAM,
+    "fake_te_without_contract": FAKE_FUSED_ADAM_WITHOUT_CONTRACT,
+    "fake_te_slow": FAKE_FUSED_ADAM_SLOW,
+}
 
 
 def write_fake_te(root: Path, fused_adam_source: str) -> Path:
@@ -157,12 +169,15 @@ def write_fake_te(root: Path, fused_adam_source: str) -> Path:
 # --- what every scenario process runs first -------------------------------------------------
 
 PRELUDE = f"""
+import faulthandler
+import importlib
 import importlib.abc
 import importlib.metadata
 import importlib.util
 import inspect
 import sys
 import threading
+import time
 import traceback
 import warnings
 
@@ -189,6 +204,7 @@ from tests.helpers import (
 from tests.standin import train
 
 FAKE_VERSION = {FAKE_VERSION!r}
+DEADLOCK_S = {DEADLOCK_S!r}
 TE_MODULE = "transformer_engine.pytorch.optimizers.fused_adam"
 MARK = te_adapter.MARK
 """
@@ -249,6 +265,57 @@ def raises(exc_type, action):
         return str(exc)
     raise AssertionError(f"{action} did not raise {exc_type.__name__}")
 
+
+def watchers():
+    return [f for f in sys.meta_path if isinstance(f, te_adapter._ImportWatcher)]
+
+
+def in_thread(name, action):
+    """Runs action() in a daemon thread (a deadlocked one cannot keep the process alive).
+
+    Returns the thread and the list its traceback goes to if action() raises.
+    """
+    errors = []
+
+    def run():
+        try:
+            action()
+        except BaseException:
+            errors.append(f"{name}: {traceback.format_exc()}")
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread, errors
+
+
+def join_or_fail(threads, errors):
+    """Fails, showing every thread's stack, unless all finish within DEADLOCK_S without error."""
+    deadline = time.monotonic() + DEADLOCK_S
+    for thread in threads:
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    stuck = [thread.name for thread in threads if thread.is_alive()]
+    if stuck:
+        faulthandler.dump_traceback(all_threads=True)
+        raise AssertionError(f"deadlock: {stuck} still running after {DEADLOCK_S} s")
+    assert not errors, "\\n".join(errors)
+
+
+def import_te_slowly():
+    """Starts importing the slow fake TE in a thread; returns once it is half-imported.
+
+    That is: TE's optimizer module is in sys.modules, holding its import lock, and its FusedAdam is
+    not defined yet, for most of SLOW_IMPORT_S more.
+    """
+    thread, errors = in_thread("importer", lambda: importlib.import_module(TE_MODULE))
+    deadline = time.monotonic() + DEADLOCK_S
+    while TE_MODULE not in sys.modules:
+        assert thread.is_alive() and time.monotonic() < deadline, errors or "import not started"
+        time.sleep(0.001)
+    time.sleep(0.3)
+    module = sys.modules[TE_MODULE]
+    assert not hasattr(module, "FusedAdam"), "the slow import finished before the race began"
+    return thread, errors
+
 '''
 
 # --- the scenarios, grouped into a few processes -----------------------------------------------
@@ -262,6 +329,8 @@ PROCESSES: dict[str, str | None] = {
     "no_te": None,
     "hooks": "fake_te",
     "watcher": "fake_te",
+    "install_race": "fake_te_slow",
+    "policy_race": "fake_te_slow",
     "contract": "fake_te_without_contract",
     "package": "fake_te",
 }
@@ -618,6 +687,102 @@ section(
 )
 
 section(
+    "install_race",
+    "test_install_during_watched_import_does_not_deadlock",
+    """
+    # Regression: install() imported TE while holding te_adapter._lock, and the import watcher's
+    # hook, which runs inside TE's module import lock, takes _lock: each thread waited for the
+    # other, for ever.
+    assert not te_loaded()
+    with export_placement("cpu"):
+        pass
+    assert watchers(), "a policy entered before TE's import did not arm the watcher"
+
+    importer, import_errors = import_te_slowly()  # thread A: the watched import
+    installer, install_errors = in_thread("install", install)  # thread B
+    join_or_fail([importer, installer], import_errors + install_errors)
+
+    from transformer_engine.pytorch.optimizers.fused_adam import ORIGINALS, FusedAdam
+
+    assert is_installed()
+    assert hooked_once(FusedAdam, ORIGINALS)
+    assert not watchers()
+    opt = FusedAdam(params(), master_weights=True)
+    train(opt)
+    live = live_storages(opt)
+    with export_placement("cpu"):
+        assert streamed(opt.state_dict(), live)
+    """,
+)
+
+section(
+    "policy_race",
+    "test_policy_entered_during_import_waits_and_hooks",
+    """
+    # Regression: a policy entered while another thread was importing TE's optimizer module (in
+    # sys.modules, FusedAdam not defined yet) neither hooked the class nor armed the watcher, so
+    # the export inside that very policy silently ran TE's own, aliasing the live FP32 state.
+    assert not te_loaded()
+    assert not watchers()
+    importer, errors = import_te_slowly()  # no policy yet: nothing hooks this import itself
+    # The main thread waits for that import below; a deadlock there ends the process, with stacks.
+    faulthandler.dump_traceback_later(DEADLOCK_S, exit=True)
+    with export_placement("cpu"):
+        assert is_installed(), "a policy entered during TE's import left FusedAdam unhooked"
+        from transformer_engine.pytorch.optimizers.fused_adam import ORIGINALS, FusedAdam
+
+        opt = FusedAdam(params(), master_weights=True)  # FP32 states: TE's export aliases them
+        train(opt)
+        live = live_storages(opt)
+        ours = opt.state_dict()
+    faulthandler.cancel_dump_traceback_later()
+    join_or_fail([importer], errors)
+
+    assert streamed(ours, live), "the export inside the policy ran TE's own, aliasing live state"
+    assert hooked_once(FusedAdam, ORIGINALS)
+    assert not watchers()
+    with export_placement(None):
+        reference = opt.state_dict()
+    assert te_export(reference, live)
+    assert_same_export(ours, reference)
+    """,
+)
+
+section(
+    "contract",
+    "test_incompatible_te_imported_after_policy_imports_then_policy_raises",
+    """
+    # Regression: with the import watcher armed, importing a TE whose FusedAdam breaks the
+    # contract raised the ContractError out of TE's own import, outside any policy.
+    assert not te_loaded()
+    with export_placement("cpu"):
+        pass
+    assert watchers(), "a policy entered before TE's import did not arm the watcher"
+
+    import transformer_engine.pytorch.optimizers.fused_adam  # noqa: F401  (must not raise)
+    from transformer_engine.pytorch.optimizers.fused_adam import ORIGINALS, FusedAdam
+
+    assert unhooked(FusedAdam, ORIGINALS)
+    assert not is_installed()
+    assert not watchers()
+    opt = FusedAdam(params())
+    assert list(opt.state_dict()) == ["state", "param_groups"]  # outside a policy: TE's own
+
+
+    def enter_policy():
+        with export_placement("cpu"):
+            raise AssertionError("entered a policy over a FusedAdam that breaks the contract")
+
+
+    # The next policy entry raises, where the user asked for the streaming export.
+    message = raises(te_adapter.ContractError, enter_policy)
+    assert "FusedAdam lacks get_unscaled_state (" in message, message
+    assert current_placement() is None
+    assert unhooked(FusedAdam, ORIGINALS)
+    """,
+)
+
+section(
     "contract",
     "test_class_contract_error_names_attribute_and_version",
     """
@@ -851,6 +1016,20 @@ def test_import_watcher_hooks_te_imported_inside_policy(scenarios: Processes) ->
 
 def test_threads_race_hooking_and_exports(scenarios: Processes) -> None:
     scenarios.check("test_threads_race_hooking_and_exports")
+
+
+def test_install_during_watched_import_does_not_deadlock(scenarios: Processes) -> None:
+    scenarios.check("test_install_during_watched_import_does_not_deadlock")
+
+
+def test_policy_entered_during_import_waits_and_hooks(scenarios: Processes) -> None:
+    scenarios.check("test_policy_entered_during_import_waits_and_hooks")
+
+
+def test_incompatible_te_imported_after_policy_imports_then_policy_raises(
+    scenarios: Processes,
+) -> None:
+    scenarios.check("test_incompatible_te_imported_after_policy_imports_then_policy_raises")
 
 
 def test_class_contract_error_names_attribute_and_version(scenarios: Processes) -> None:
