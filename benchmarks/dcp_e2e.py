@@ -9,6 +9,10 @@ For each operation it compares the path users run today with the policy:
   ``te_default`` and ``placement_cpu`` use DCP's default stager (it copies every tensor again,
   CPU ones included); ``placement_cpu_passthrough_stager`` passes the export's tensors through
   ``te_ckpt_placement.PassThroughStager`` and stages only the model weights.
+- ``full_state_dict``: ``get_optimizer_state_dict`` with ``full_state_dict=True`` and
+  ``cpu_offload=True`` (every state all-gathered to rank 0's host), without and with the policy;
+  the two results must be equal bit for bit. ``largest_state_bytes`` is one global FP32 state,
+  the unit the policy's GPU peak is bounded by.
 - ``dcp_load``: the usual template (``get_optimizer_state_dict``), ``dcp.load``, then
   ``set_model_state_dict`` + ``set_optimizer_state_dict``; ``te_default`` without a policy (TE's
   load casts every state onto the GPU at once), ``placement_cpu`` inside the policy.
@@ -50,9 +54,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 2
 MOMENTS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.uint8, "fp32": torch.float32}
-OPS = ("dcp_save", "dcp_async_save", "dcp_load")
+OPS = ("dcp_save", "dcp_async_save", "dcp_load", "full_state_dict")
 MODES = {
     "dcp_save": ("te_default", "placement_cpu"),
+    "full_state_dict": ("te_default", "placement_cpu"),
     "dcp_async_save": ("te_default", "placement_cpu", "placement_cpu_passthrough_stager"),
     "dcp_load": ("te_default", "placement_cpu"),
 }
@@ -312,6 +317,8 @@ def run_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
         rec["gpu_bytes_per_n"] = rec["peak_extra_gpu_bytes"] / n_local
         rec["host_bytes_per_n"] = rec["peak_extra_host_bytes"] / n_local
         records.append(rec)
+        if args.out is not None:  # per rank, after each measurement: a cut-off run keeps them
+            Path(f"{args.out}.rank{rank}").write_text(json.dumps(records, indent=1) + "\n")
         if rank == 0:
             print(
                 f"{op:<15} {mode:<33} GPU {rec['peak_extra_gpu_bytes'] / 2**30:7.2f} GiB "
@@ -415,6 +422,39 @@ def run_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
                 assert same, f"dcp_load {mode}: {key} differs from the expected state"
             keep("dcp_load", mode, result)
         cleanup(path)
+
+    if "full_state_dict" in ops:
+        # DCP all-gathers each state onto rank 0's host. Under the policy each CPU-local shard
+        # goes back to the GPU for its all-gather, one state at a time.
+        full = StateDictOptions(
+            full_state_dict=True, cpu_offload=True, flatten_optimizer_state_dict=True
+        )
+        largest = max(p.numel() for p in model.parameters()) * 4  # one global FP32 state
+        te_full: dict[str, Any] = {}
+        for mode in MODES["full_state_dict"]:
+            result = {}
+            with _measured(result):
+                policy = (
+                    export_placement("cpu") if mode == "placement_cpu" else contextlib.nullcontext()
+                )
+                with policy:
+                    gathered = get_optimizer_state_dict(model, opt, options=full)
+            if rank != 0:
+                assert gathered == {}, f"full_state_dict {mode}: rank {rank} kept a state dict"
+            elif mode == "te_default":
+                te_full = gathered
+            else:  # rank 0: the policy's gathered dict is TE's, bit for bit
+                assert gathered.keys() == te_full.keys(), "full_state_dict: keys differ"
+                for key, value in te_full.items():
+                    if isinstance(value, torch.Tensor):
+                        assert local(gathered[key]).device.type == "cpu", key
+                        assert torch.equal(host_bits(gathered[key]), host_bits(value)), key
+                    else:
+                        assert gathered[key] == value, key
+            del gathered
+            keep("full_state_dict", mode, result, cpu_offload=True, largest_state_bytes=largest)
+            gc.collect()
+        del te_full
     return records
 
 

@@ -8,7 +8,7 @@ check on ``fully_shard`` models, each against an uninterrupted or never-checkpoi
 1. sync round trip (``cpu_offload`` True and False; BF16, FP16 and int16 states) into a fresh
    model and optimizer, equal to TE's own load of the same checkpoint and, where TE's load is
    exact (all but FP16/FP8 states, whose scales TE re-derives), to the saved optimizer; then 3 more
-   steps equal to the uninterrupted run;
+   steps equal to the uninterrupted run (FP8 states of DTensors: test_gpu_dcp.py, real TE only);
 2. ``dcp.async_save`` with the default stager, ``DefaultStager`` options, and ``PassThroughStager``
    (which is shown to pass export tensors through and to copy everything else);
 3. resharding 2 ranks -> 1 rank (a 1-rank gloo group, and no group at all) and 1 -> 2, with
@@ -26,6 +26,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,17 @@ from .test_dtensor import (
 from .test_dtensor import _init as _init_mesh
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+@dataclass(frozen=True)
+class Backend:
+    """Where the 2-rank checks run: the CPU stand-in here, real TE on CUDA in test_gpu_dcp."""
+
+    device: str
+    make_optimizer: Callable[..., torch.optim.Optimizer]
+
+
+BACKEND = Backend("cpu", make_optimizer)
 # dcp.async_save's own stager when none is given (state_dict_saver.py): all four options off.
 ASYNC_SAVE_DEFAULTS = StagingOptions(False, False, False, False)
 
@@ -346,10 +358,11 @@ class Run:
         dtype = _param_dtype(master)
         if mesh is None:  # one process, no DTensors: what an offline consolidation would use
             torch.manual_seed(seed)
-            self.model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 4)).to(dtype)
-        else:
+            model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 4))
+            self.model = model.to(device=BACKEND.device, dtype=dtype)
+        else:  # fully_shard places the parameters on the mesh's device
             self.model = _fully_sharded(mesh, dtype, seed)
-        self.opt = make_optimizer(self.model.parameters(), moments=moments, master=master)
+        self.opt = BACKEND.make_optimizer(self.model.parameters(), moments=moments, master=master)
 
     def train(self, steps: int, seed: int) -> None:
         if isinstance(next(self.model.parameters()), DTensor):
@@ -361,7 +374,7 @@ class Run:
                     g = torch.randn(p.shape, generator=gen) * math.exp(
                         float(torch.randn(1, generator=gen)) * 3
                     )
-                    p.grad = g.to(p.dtype)
+                    p.grad = g.to(device=p.device, dtype=p.dtype)
                 self.opt.step()
 
     def export(self, options: StateDictOptions = FLAT, placement: Any = "cpu") -> dict[str, Any]:
@@ -589,7 +602,7 @@ def check_resharding(mesh: DeviceMesh, root: Path) -> None:
     where = f"rank {rank} reshard"
     moments, master = torch.bfloat16, "fp32"  # elementwise updates: any sharding, same bits
     # Every rank creates the 1-rank group (new_group is collective); only rank 0 uses it.
-    solo = dist.new_group([0], backend="gloo")
+    solo = dist.new_group([0])
 
     # 2 -> 1: saved by 2 ranks, loaded by one rank of a 1-rank group and by a process with no
     # group; each continues 3 steps against the 2-rank run continued the same way.
@@ -603,7 +616,7 @@ def check_resharding(mesh: DeviceMesh, root: Path) -> None:
     two.train(3, seed=32)
     after_full = two.full()
     if rank == 0:
-        solo_mesh = DeviceMesh.from_group(solo, "cpu")
+        solo_mesh = DeviceMesh.from_group(solo, BACKEND.device)
         for label, target_mesh, group in (
             ("1-rank group", solo_mesh, solo),
             ("no group", None, None),
@@ -623,7 +636,7 @@ def check_resharding(mesh: DeviceMesh, root: Path) -> None:
     path12 = str(root / "one_to_two")
     payload: list[Any] = [None]
     if rank == 0:
-        solo_mesh = DeviceMesh.from_group(solo, "cpu")
+        solo_mesh = DeviceMesh.from_group(solo, BACKEND.device)
         one = Run(solo_mesh, moments, master, seed=34)
         one.train(3, seed=35)
         saved = {"model": get_model_state_dict(one.model), "optim": one.export()}
@@ -661,7 +674,9 @@ def check_full_state_dict(mesh: DeviceMesh, run: Run) -> None:
         if cpu_offload and dist.get_rank() != 0:
             assert ours == {}, f"{label}: only rank 0 keeps a full state dict"
             continue
-        assert_all_on_cpu(ours, label)
+        if cpu_offload or BACKEND.device == "cpu":
+            # Without cpu_offload, DCP gathers on the mesh's device and keeps the result there.
+            assert_all_on_cpu(ours, label)
         for key, full in gathered.items():
             assert not isinstance(ours[key], DTensor), f"{label}: {key} not gathered"
             assert torch.equal(bits(ours[key]), bits(full)), f"{label}: {key}"

@@ -1,0 +1,147 @@
+"""The DCP checks of test_dcp.py, run with real TE FusedAdam under FSDP2 on 2 GPUs.
+
+test_dcp.py proves the DCP behaviour against the CPU stand-in on a gloo mesh. This runs the same
+check functions on a CUDA mesh (``cpu:gloo,cuda:nccl``, as async saves need) with TE's own
+FusedAdam, so the stand-in's answers (the fake step's count, TE's load of the same checkpoint,
+re-derived FP16/FP8 scales, continued training) are checked against the real thing:
+
+1. sync round trip (``cpu_offload`` True and False; BF16 with remainders, FP16, FP8 and BF16 with
+   FP32 masters), equal to TE's own load and to continued uninterrupted training;
+2. ``dcp.async_save`` with the default stager, ``DefaultStager`` options and ``PassThroughStager``;
+3. resharding 2 -> 1 and 1 -> 2, then training on;
+4. ``full_state_dict=True`` without and with the policy;
+5. DCP's fake step on a fresh TE optimizer;
+6. every export under the policy on the CPU; and the Stateful adapter.
+"""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.multigpu
+
+WORLD = 2
+
+
+def te_optimizer(
+    params: Any, *, moments: torch.dtype = torch.bfloat16, master: str = "fp32", lr: float = 1e-2
+) -> torch.optim.Optimizer:
+    """TE's FusedAdam in the storage mode the stand-in's ``make_optimizer`` names."""
+    from transformer_engine.pytorch.optimizers import FusedAdam
+
+    return FusedAdam(
+        params,
+        lr=lr,
+        master_weights=master != "none",
+        master_weight_dtype=torch.float16 if master == "fp16" else torch.float32,
+        exp_avg_dtype=moments,
+        exp_avg_sq_dtype=moments,
+        store_param_remainders=master == "remainder",
+    )
+
+
+def _worker(rank: int, port: int, root: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from te_ckpt_placement import install
+
+    from . import test_dcp
+    from .test_dcp import (
+        Backend,
+        check_async,
+        check_full_state_dict,
+        check_resharding,
+        check_stateful,
+        check_sync_round_trip,
+    )
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group(
+        "cpu:gloo,cuda:nccl",
+        rank=rank,
+        world_size=WORLD,
+        init_method=f"tcp://127.0.0.1:{port}",
+        timeout=datetime.timedelta(seconds=300),
+    )
+    install()
+    test_dcp.BACKEND = Backend("cuda", te_optimizer)
+    mesh = init_device_mesh("cuda", (WORLD,))
+    # Async saves run their collectives in a background thread, on a group of their own.
+    async_pg = dist.new_group(backend="gloo")
+    base = Path(root)
+    try:
+        check_sync_round_trip(mesh, torch.bfloat16, "remainder", False, base / "sync_remainder")
+        check_sync_round_trip(mesh, torch.float16, "fp32", False, base / "sync_fp16")
+        check_sync_round_trip(mesh, torch.uint8, "fp32", True, base / "sync_fp8")
+        run = check_sync_round_trip(mesh, torch.bfloat16, "fp32", True, base / "sync_bf16")
+        check_async(mesh, async_pg, run, base / "async")
+        check_full_state_dict(mesh, run)
+        check_stateful(mesh, async_pg, run, base / "stateful")
+        check_resharding(mesh, base / "reshard")
+        torch.cuda.synchronize()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dcp_with_te_on_two_gpus(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    from .test_dtensor import _free_port
+
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    for ckpt in ("sync_fp8", "async/pass_through", "stateful/async", "reshard/one_to_two"):
+        assert (tmp_path / ckpt / ".metadata").is_file(), f"{ckpt}: no checkpoint"
+
+
+README_CHECK = """
+# --- appended by the test: the stateful async checkpoint restored the optimizer exactly ---
+from tests.helpers import assert_same_export
+
+with export_placement("cpu"):
+    expected = get_optimizer_state_dict(model, optimizer, options=OPTIONS)
+    got = get_optimizer_state_dict(model3, optimizer3, options=OPTIONS)
+assert_same_export(got, expected, "README example: loaded optimizer")
+for (name, p), q in zip(model.named_parameters(), model3.parameters(), strict=True):
+    assert torch.equal(p.full_tensor(), q.full_tensor()), name
+print("README example: rank", dist.get_rank(), "ok", flush=True)
+"""
+
+
+def readme_dcp_example() -> str:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = readme.index("```python\n# dcp_example.py")
+    body = readme[start + len("```python\n") : readme.index("```", start + 10)]
+    last = "dist.destroy_process_group()\n"
+    assert body.endswith(last), "the README example no longer ends by destroying its group"
+    return body[: -len(last)] + README_CHECK + last
+
+
+def test_readme_dcp_example_runs_as_written(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from .test_dtensor import _free_port
+
+    script = tmp_path / "dcp_example.py"
+    script.write_text(readme_dcp_example())
+    root = Path(__file__).resolve().parents[1]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    }
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+               f"--master_port={_free_port()}", str(script)]  # fmt: skip
+    proc = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.stdout.count("README example: rank") == WORLD, proc.stdout[-2000:]
+    for ckpt in ("sync", "async", "stateful", "stateful_async"):
+        assert (tmp_path / "ckpt" / ckpt / ".metadata").is_file(), ckpt
