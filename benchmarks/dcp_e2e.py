@@ -92,8 +92,13 @@ def requirements_missing() -> str | None:
 
 
 # --- model, optimizer and comparisons -----------------------------------------------------------
-def build(layers: int, hidden: int, moments: torch.dtype, seed: int) -> tuple[Any, Any]:
-    """A fully_shard'ed stack of bf16 Linear layers and a TE FusedAdam that has stepped twice."""
+def build(
+    layers: int, hidden: int, moments: torch.dtype, seed: int, *, remainders: bool = True
+) -> tuple[Any, Any]:
+    """A fully_shard'ed stack of bf16 Linear layers and a TE FusedAdam that has stepped twice.
+
+    FP32 masters are kept as int16 remainders for BF16 moments, unless ``remainders=False``.
+    """
     from torch.distributed.fsdp import fully_shard
     from transformer_engine.pytorch.optimizers import FusedAdam
 
@@ -108,7 +113,7 @@ def build(layers: int, hidden: int, moments: torch.dtype, seed: int) -> tuple[An
         model.parameters(),
         lr=1e-4,
         master_weights=True,
-        store_param_remainders=moments == torch.bfloat16,
+        store_param_remainders=remainders and moments == torch.bfloat16,
         exp_avg_dtype=moments,
         exp_avg_sq_dtype=moments,
     )
@@ -302,6 +307,7 @@ def run_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     base = {
         "moments": args.moments,
+        "masters": "remainder" if moments == torch.bfloat16 else "fp32",
         "n_elements": n_local,
         "max_elements": m_local,
         "rank": rank,
@@ -429,6 +435,14 @@ def run_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
         full = StateDictOptions(
             full_state_dict=True, cpu_offload=True, flatten_optimizer_state_dict=True
         )
+        # NCCL cannot all-gather int16, so DCP's full gather of int16 master remainders fails
+        # with or without the policy ("Input tensor data type is not supported for NCCL process
+        # group: Short", seen on 2xH200 with TE's own export first). FP32 masters here.
+        del model, opt
+        gc.collect()
+        torch.cuda.empty_cache()
+        model, opt = build(layers, hidden, moments, seed=0, remainders=False)
+        base = {**base, "masters": "fp32"}
         largest = max(p.numel() for p in model.parameters()) * 4  # one global FP32 state
         te_full: dict[str, Any] = {}
         for mode in MODES["full_state_dict"]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from .helpers import (
     assert_owns_storage,
     assert_same_export,
     assert_snapshot_equal,
+    bits,
     exported_tensors,
     live_storages,
     snapshot,
@@ -212,6 +214,29 @@ def test_materialize_scaled_and_fp8_arithmetic() -> None:
         StateSource(kind="fp8", data=raw8, scale=scale, fp8_dtype=torch.float8_e4m3fn)
     )
     assert torch.equal(out8, raw8.view(torch.float8_e4m3fn).float() * scale)
+
+
+FP8_SCALES = [1.0, 0.5, 3.0, 1.7e-3, 448.0 / 3, 1e-30, 1e30, 2.0**-126, 2.0**-140, 3.4e38]
+FP8_SCALES += [0.0, -2.5, math.inf, math.nan]
+
+
+@pytest.mark.parametrize("block", [1, 7, 1 << 20])
+def test_fp8_e4m3_bit_decode_equals_tes_formula_for_every_byte(
+    monkeypatch: pytest.MonkeyPatch, block: int
+) -> None:
+    """The vectorized decode against TE's CPU formula (widen, * scale_inv) with CUDA's NaN."""
+    from te_ckpt_placement import engine
+
+    monkeypatch.setattr(engine, "BLOCK_ELEMENTS", block)
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(3)  # NaNs in every block
+    for value in FP8_SCALES:
+        scale = torch.tensor([value])
+        ours = materialize(
+            StateSource(kind="fp8", data=every, scale=scale, fp8_dtype=torch.float8_e4m3fn)
+        )
+        expected = every.view(torch.float8_e4m3fn).float() * scale
+        expected.view(torch.int32)[expected.isnan()] = engine.CANONICAL_NAN_BITS
+        assert torch.equal(bits(ours), bits(expected)), f"scale {value}"
 
 
 @pytest.mark.parametrize("chunk_bytes", [4, 36, 1000])
