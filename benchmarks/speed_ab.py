@@ -39,6 +39,18 @@ from benchmarks.export_memory import (
     timed,
     verify,
 )
+from te_ckpt_placement.engine import CHUNK_BYTES
+
+CHUNK_MIB = CHUNK_BYTES // MI
+
+
+def block_label(variant: dict[str, Any]) -> str:
+    from te_ckpt_placement import engine
+
+    block = variant["block_elements"]
+    if block is None:
+        return f"auto({engine._block_elements() >> 20}M)"
+    return f"{block >> 20}M"
 
 
 def _legacy_e4m3(raw: torch.Tensor, out: torch.Tensor, *, scale: torch.Tensor) -> None:
@@ -50,11 +62,15 @@ def _legacy_e4m3(raw: torch.Tensor, out: torch.Tensor, *, scale: torch.Tensor) -
     _canonicalize_nan(out)
 
 
-def variants(moments: str, chunks: list[int]) -> list[dict[str, Any]]:
-    out = [{"chunk_mib": c, "fp8_decode": "bits", "block_elements": 1 << 20} for c in chunks]
+def variants(moments: str, chunks: list[int], blocks: list[int | None]) -> list[dict[str, Any]]:
+    """BF16 and FP32 (a single copy pass): the chunk sizes. FP16 and FP8 (multi-pass, blocked):
+    the block sizes at the default chunk size, and for FP8 the previous decode too."""
+    default = {"chunk_mib": CHUNK_MIB, "fp8_decode": "bits", "block_elements": None}
+    if moments in ("bf16", "fp32"):
+        return [{**default, "chunk_mib": c} for c in chunks]
+    out = [{**default, "block_elements": b} for b in blocks]
     if moments == "fp8":
-        out.append({"chunk_mib": 32, "fp8_decode": "bits", "block_elements": 4 << 20})
-        out.append({"chunk_mib": 32, "fp8_decode": "legacy", "block_elements": 1 << 20})
+        out.append({**default, "fp8_decode": "legacy"})
     return out
 
 
@@ -63,7 +79,7 @@ def apply(variant: dict[str, Any], bits_decode: Callable[..., None]) -> None:
 
     release_buffers()  # the next export allocates a pool of the new chunk size
     engine.CHUNK_BYTES = variant["chunk_mib"] * MI
-    engine.BLOCK_ELEMENTS = variant["block_elements"]
+    engine.BLOCK_ELEMENTS = variant["block_elements"]  # None: the engine's own choice
     engine._dequantize_e4m3 = bits_decode if variant["fp8_decode"] == "bits" else _legacy_e4m3
 
 
@@ -72,6 +88,11 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--chunks", default="16,32,64,128", help="chunk sizes in MiB")
+    parser.add_argument(
+        "--blocks",
+        default="4,8,16",
+        help="FP16/FP8 blocks, Mi elements",
+    )
     parser.add_argument(
         "--cases", default="1024:64:bf16,1024:16:bf16,1024:64:fp16,1024:64:fp8", help="N:M:moments"
     )
@@ -84,6 +105,7 @@ def main() -> int:
 
     bits_decode = engine._dequantize_e4m3
     chunks = [int(c) for c in args.chunks.split(",")]
+    blocks: list[int | None] = [None, *(int(b) << 20 for b in args.blocks.split(",") if b)]
     bw = bandwidths()
     print({k: f"{v / 1e9:.1f} GB/s" for k, v in bw.items()}, flush=True)
     records: list[dict[str, Any]] = []
@@ -103,7 +125,7 @@ def main() -> int:
         }
         checked: set[int] = set()
         for round_ in range(args.rounds):
-            for i, variant in enumerate(variants(moments, chunks)):
+            for i, variant in enumerate(variants(moments, chunks, blocks)):
                 apply(variant, bits_decode)
                 first, result = timed(export_fn("placement_cpu", model, opt))
                 if i not in checked:  # correctness before any number is kept
@@ -138,7 +160,7 @@ def main() -> int:
                     records.append(rec)
                     print(
                         f"{moments} N={n_mi}M M={m_mi}M chunk={variant['chunk_mib']:>3}MiB "
-                        f"{variant['fp8_decode']:<6} block={variant['block_elements'] >> 20}M "
+                        f"{variant['fp8_decode']:<6} block={block_label(variant)} "
                         f"{'repeat' if is_repeat else 'first '} r{round_} "
                         f"{rec['seconds']:.3f} s  {rec['seconds_over_bound']:.2f} x T*",
                         flush=True,
@@ -148,13 +170,13 @@ def main() -> int:
         del model, opt
         gc.collect()
         torch.cuda.empty_cache()
-    apply({"chunk_mib": 32, "fp8_decode": "bits", "block_elements": 1 << 20}, bits_decode)
+    apply({"chunk_mib": CHUNK_MIB, "fp8_decode": "bits", "block_elements": None}, bits_decode)
 
     # The summary: median seconds over rounds per case, variant and first/repeat.
     groups: dict[tuple[Any, ...], list[float]] = {}
     for r in records:
         key = (r["moments"], r["max_elements"] // MI, r["chunk_mib"], r["fp8_decode"],
-               r["block_elements"] >> 20, r["repeat"])  # fmt: skip
+               block_label(r), r["repeat"])  # fmt: skip
         groups.setdefault(key, []).append(r["seconds_over_bound"])
     print("moments M chunk decode block repeat: median x T* (all rounds)")
     for key, ratios in groups.items():

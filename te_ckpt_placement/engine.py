@@ -111,7 +111,7 @@ def empty_host(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
 # --- the device-to-host pipeline --------------------------------------------------------------
 
 #: Bytes of raw state moved per chunk, and how many chunks are in flight.
-CHUNK_BYTES = 32 << 20
+CHUNK_BYTES = 16 << 20
 RING = 3
 
 
@@ -234,15 +234,24 @@ def _stream_into(src: torch.Tensor, out: torch.Tensor, convert: Convert) -> None
             staged[i] = None  # type: ignore[call-overload]
 
 
-#: Elements per block of the multi-pass conversions (FP16, FP8). A block's FP32 output (4 MiB)
-#: stays in cache across the passes, where passes over a whole chunk would each go to memory.
-BLOCK_ELEMENTS = 1 << 20
+#: Elements per block of the multi-pass conversions (FP16, FP8); None: 256 Ki per intra-op
+#: thread, at least 1 Mi. Each thread's share of a block's FP32 output (1 MiB) stays in its cache
+#: across the passes, where passes over a whole chunk would each go to memory. Smaller blocks
+#: lose to the thread pool's fork/join: 1 Mi-element blocks on 32 threads measured 2x slower
+#: than 4 Mi (benchmarks/NOTES.md).
+BLOCK_ELEMENTS: int | None = None
+
+
+def _block_elements() -> int:
+    if BLOCK_ELEMENTS is not None:
+        return BLOCK_ELEMENTS
+    return max(1 << 20, torch.get_num_threads() << 18)
 
 
 def _blocked(convert: Convert) -> Convert:
     def run(raw: torch.Tensor, out: torch.Tensor) -> None:
         flat_raw, flat_out = raw.reshape(-1), out.view(-1)
-        step = BLOCK_ELEMENTS
+        step = _block_elements()
         for a in range(0, flat_raw.numel(), step):
             convert(flat_raw[a : a + step], flat_out[a : a + step])
 
