@@ -34,13 +34,12 @@ from benchmarks.export_memory import (
     build,
     export_fn,
     machine,
-    measure,
     requirements_missing,
     state_bytes,
     timed,
     verify,
 )
-from te_ckpt_placement.engine import CHUNK_BYTES, PREFAULT_THREADS
+from te_ckpt_placement.engine import CHUNK_BYTES
 
 CHUNK_MIB = CHUNK_BYTES // MI
 
@@ -63,20 +62,13 @@ def _legacy_e4m3(raw: torch.Tensor, out: torch.Tensor, *, scale: torch.Tensor) -
     _canonicalize_nan(out)
 
 
-def variants(
-    moments: str, chunks: list[int], prefaults: list[int], blocks: list[int | None]
-) -> list[dict[str, Any]]:
-    """Every chunk size with every prefault thread count; for FP16 and FP8 (multi-pass, blocked)
-    also the block sizes at the defaults, and for FP8 the previous decode."""
-    default = {
-        "chunk_mib": CHUNK_MIB,
-        "prefault_threads": PREFAULT_THREADS,
-        "fp8_decode": "bits",
-        "block_elements": None,
-    }
-    out = [{**default, "chunk_mib": c, "prefault_threads": t} for c in chunks for t in prefaults]
-    if moments in ("fp16", "fp8"):
-        out += [{**default, "block_elements": b} for b in blocks if b is not None]
+def variants(moments: str, chunks: list[int], blocks: list[int | None]) -> list[dict[str, Any]]:
+    """BF16 and FP32 (a single copy pass): the chunk sizes. FP16 and FP8 (multi-pass, blocked):
+    the block sizes at the default chunk size, and for FP8 the previous decode too."""
+    default = {"chunk_mib": CHUNK_MIB, "fp8_decode": "bits", "block_elements": None}
+    if moments in ("bf16", "fp32"):
+        return [{**default, "chunk_mib": c} for c in chunks]
+    out = [{**default, "block_elements": b} for b in blocks]
     if moments == "fp8":
         out.append({**default, "fp8_decode": "legacy"})
     return out
@@ -86,10 +78,6 @@ def apply(variant: dict[str, Any], bits_decode: Callable[..., None]) -> None:
     from te_ckpt_placement import engine, release_buffers
 
     release_buffers()  # the next export allocates a pool of the new chunk size
-    if engine._prefault_pool is not None:
-        engine._prefault_pool.shutdown(wait=True)
-        engine._prefault_pool = None
-    engine.PREFAULT_THREADS = variant["prefault_threads"]
     engine.CHUNK_BYTES = variant["chunk_mib"] * MI
     engine.BLOCK_ELEMENTS = variant["block_elements"]  # None: the engine's own choice
     engine._dequantize_e4m3 = bits_decode if variant["fp8_decode"] == "bits" else _legacy_e4m3
@@ -100,14 +88,6 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--chunks", default="16,32,64,128", help="chunk sizes in MiB")
-    parser.add_argument(
-        "--prefault", default=str(PREFAULT_THREADS), help="prefault thread counts, e.g. 0,4,8"
-    )
-    parser.add_argument(
-        "--te-baseline",
-        action="store_true",
-        help="also time TE's export + DCP cpu_offload once per case (round 0)",
-    )
     parser.add_argument(
         "--blocks",
         default="4,8,16",
@@ -126,7 +106,6 @@ def main() -> int:
     bits_decode = engine._dequantize_e4m3
     chunks = [int(c) for c in args.chunks.split(",")]
     blocks: list[int | None] = [None, *(int(b) << 20 for b in args.blocks.split(",") if b)]
-    prefaults = [int(t) for t in args.prefault.split(",")]
     bw = bandwidths()
     print({k: f"{v / 1e9:.1f} GB/s" for k, v in bw.items()}, flush=True)
     records: list[dict[str, Any]] = []
@@ -145,30 +124,8 @@ def main() -> int:
             True: max(raw_bytes / bw["d2h"], out_bytes / bw["warm"]),
         }
         checked: set[int] = set()
-        if args.te_baseline:
-            result = measure("te_default_dcp_cpu_offload", model, opt)  # verified inside
-            rec = {
-                "op": "export",
-                "mode": "te_default_dcp_cpu_offload",
-                "moments": moments,
-                "n_elements": int(n_mi) * MI,
-                "max_elements": int(m_mi) * MI,
-                "raw_bytes": raw_bytes,
-                "output_bytes": out_bytes,
-                "round": 0,
-                **result,
-                "repeat": False,
-                "bound_seconds": bounds[False],
-                "d2h_bytes_per_s": bw["d2h"],
-                "host_fresh_bytes_per_s": bw["fresh"],
-                "host_warm_bytes_per_s": bw["warm"],
-            }
-            rec["seconds_over_bound"] = rec["seconds"] / rec["bound_seconds"]
-            records.append(rec)
-            print(f"{moments} N={n_mi}M M={m_mi}M TE + DCP cpu_offload {rec['seconds']:.3f} s")
-            gc.collect()
         for round_ in range(args.rounds):
-            for i, variant in enumerate(variants(moments, chunks, prefaults, blocks)):
+            for i, variant in enumerate(variants(moments, chunks, blocks)):
                 apply(variant, bits_decode)
                 first, result = timed(export_fn("placement_cpu", model, opt))
                 if i not in checked:  # correctness before any number is kept
@@ -203,7 +160,6 @@ def main() -> int:
                     records.append(rec)
                     print(
                         f"{moments} N={n_mi}M M={m_mi}M chunk={variant['chunk_mib']:>3}MiB "
-                        f"prefault={variant['prefault_threads']} "
                         f"{variant['fp8_decode']:<6} block={block_label(variant)} "
                         f"{'repeat' if is_repeat else 'first '} r{round_} "
                         f"{rec['seconds']:.3f} s  {rec['seconds_over_bound']:.2f} x T*",
@@ -214,17 +170,15 @@ def main() -> int:
         del model, opt
         gc.collect()
         torch.cuda.empty_cache()
-    apply(variants("bf16", [CHUNK_MIB], [PREFAULT_THREADS], [])[0], bits_decode)
+    apply({"chunk_mib": CHUNK_MIB, "fp8_decode": "bits", "block_elements": None}, bits_decode)
 
     # The summary: median seconds over rounds per case, variant and first/repeat.
     groups: dict[tuple[Any, ...], list[float]] = {}
     for r in records:
-        if r["mode"].startswith("te_"):
-            continue
-        key = (r["moments"], r["n_elements"] // MI, r["max_elements"] // MI, r["chunk_mib"],
-               r["prefault_threads"], r["fp8_decode"], block_label(r), r["repeat"])  # fmt: skip
+        key = (r["moments"], r["max_elements"] // MI, r["chunk_mib"], r["fp8_decode"],
+               block_label(r), r["repeat"])  # fmt: skip
         groups.setdefault(key, []).append(r["seconds_over_bound"])
-    print("moments N M chunk prefault decode block repeat: median x T* (all rounds)")
+    print("moments M chunk decode block repeat: median x T* (all rounds)")
     for key, ratios in groups.items():
         spread = ", ".join(f"{x:.2f}" for x in ratios)
         print(*key, f"{statistics.median(ratios):.2f}  ({spread})")

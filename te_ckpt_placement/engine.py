@@ -18,7 +18,6 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import chain
@@ -107,54 +106,6 @@ def empty_host(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         if last > first:
             _libc.madvise(first, last - first, _MADV_HUGEPAGE)  # advice only: failure is fine
     return out
-
-
-_MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels answer EINVAL and the writes fault
-#: Background threads that fault fresh output buffers in ahead of the conversion (the kernel
-#: zeroes the pages there), so the conversion mostly writes resident memory. 0 disables.
-PREFAULT_THREADS = int(os.environ.get("TE_CKPT_PLACEMENT_PREFAULT_THREADS", "4"))
-_PREFAULT_MIN_BYTES = 64 << 20
-_PREFAULT_SLICE = 16 << 20
-_prefault_pool: ThreadPoolExecutor | None = None
-_prefault_lock = threading.Lock()
-
-
-def _forget_prefault_pool() -> None:
-    global _prefault_pool
-    _prefault_pool = None  # a forked child has none of its threads: it starts its own
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_prefault_pool)
-
-
-def _populate(ref: weakref.ref[torch.Tensor], start: int, length: int) -> None:
-    tensor = ref()  # alive for this slice only: a buffer dropped meanwhile is skipped
-    if tensor is None or _libc is None:
-        return
-    _libc.madvise(start, length, _MADV_POPULATE_WRITE)  # advice: failure only costs speed
-    del tensor
-
-
-def prefault(out: torch.Tensor) -> None:
-    """Queues the pages of a fresh host buffer to be faulted in by background threads.
-
-    Only advice: the conversion writes the buffer whether or not a slice got there first, and a
-    page already present is left as it is (``MADV_POPULATE_WRITE`` never writes data).
-    """
-    nbytes = out.numel() * out.element_size()
-    if PREFAULT_THREADS <= 0 or _libc is None or nbytes < _PREFAULT_MIN_BYTES:
-        return
-    global _prefault_pool
-    with _prefault_lock:
-        if _prefault_pool is None:
-            _prefault_pool = ThreadPoolExecutor(PREFAULT_THREADS, "te_ckpt_prefault")
-        pool = _prefault_pool
-    ref = weakref.ref(out)
-    first = (out.data_ptr() + 4095) & ~4095
-    end = (out.data_ptr() + nbytes) & ~4095
-    for start in range(first, end, _PREFAULT_SLICE):
-        pool.submit(_populate, ref, start, min(_PREFAULT_SLICE, end - start))
 
 
 # --- the device-to-host pipeline --------------------------------------------------------------
@@ -395,17 +346,15 @@ class BufferCache:
         use_count = getattr(torch._C, "_storage_Use_Count", None)
         return use_count is not None and use_count(storage._cdata) == 1
 
-    def take(self, shape: torch.Size, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
-        """An idle kept buffer, or a new one (then ``True``: its memory is fresh)."""
+    def take(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         key = (tuple(shape), dtype)
         with self._lock:
             for storage in self._storages.get(key, []):
                 if self._idle(storage):
-                    reused = torch.empty(0, dtype=dtype).set_(storage, 0, shape)  # type: ignore[call-overload]
-                    return reused, False
+                    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)  # type: ignore[call-overload]
             out = empty_host(shape, dtype)
             self._storages.setdefault(key, []).append(out.untyped_storage())
-            return out, True
+            return out
 
     @property
     def nbytes(self) -> int:
@@ -441,12 +390,9 @@ def materialize(source: StateSource, *, reuse_buffers: bool = False) -> torch.Te
     data = source.data
     assert data is not None
     out_dtype, convert = _convert_fn(source)
-    if reuse_buffers:
-        out, fresh = buffers.take(data.shape, out_dtype)
-    else:
-        out, fresh = empty_host(data.shape, out_dtype), True
-    if fresh:
-        prefault(out)
+    out = (
+        buffers.take(data.shape, out_dtype) if reuse_buffers else empty_host(data.shape, out_dtype)
+    )
     if data.is_contiguous():
         _stream_into(data, out, convert)
     else:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Any
 
 import pytest
 import torch
@@ -339,56 +338,3 @@ def test_reused_buffers_only_once_released() -> None:
 def test_reuse_buffers_must_be_bool() -> None:
     with pytest.raises(ValueError, match="valid values are True"):
         export_placement("cpu", reuse_buffers="yes")  # type: ignore[arg-type]
-
-
-def test_prefault_is_advice_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fresh buffers are queued for faulting in; results, failures and dropped buffers unchanged."""
-    import gc
-    import weakref
-
-    from te_ckpt_placement import engine
-
-    monkeypatch.setattr(engine, "PREFAULT_THREADS", 2)
-    monkeypatch.setattr(engine, "_PREFAULT_MIN_BYTES", 1 << 16)
-    monkeypatch.setattr(engine, "_PREFAULT_SLICE", 1 << 14)
-    monkeypatch.setattr(engine, "_prefault_pool", None)
-    calls: list[tuple[int, int]] = []
-    populate = engine._populate
-
-    def counting(ref: Any, start: int, length: int) -> None:
-        calls.append((start, length))
-        populate(ref, start, length)
-
-    monkeypatch.setattr(engine, "_populate", counting)
-    data = torch.randn(1 << 16).bfloat16()  # 256 KiB of FP32 output: 16 slices
-    for _ in range(3):
-        out = materialize(StateSource(kind="upcast", data=data))
-        assert torch.equal(bits(out), bits(data.float()))
-    pool = engine._prefault_pool
-    assert pool is not None
-    pool.submit(lambda: None).result()  # FIFO with 2 workers: at most one slice still running
-    pool.shutdown(wait=True)
-    # Each 256 KiB buffer, less its unaligned head and tail pages, in 16 KiB slices.
-    covered = sum(length for _, length in calls)
-    assert 3 * ((1 << 18) - 8192) <= covered <= 3 * (1 << 18), covered
-    assert all(0 < length <= 1 << 14 for _, length in calls)
-    # Reused buffers are resident already: nothing is queued for them.
-    monkeypatch.setattr(engine, "_prefault_pool", None)
-    calls.clear()
-    engine.buffers.clear()
-    first = materialize(StateSource(kind="upcast", data=data), reuse_buffers=True)
-    del first
-    gc.collect()
-    second = materialize(StateSource(kind="upcast", data=data), reuse_buffers=True)
-    assert torch.equal(bits(second), bits(data.float()))
-    assert engine._prefault_pool is not None
-    engine._prefault_pool.shutdown(wait=True)
-    covered = sum(length for _, length in calls)  # the first export's fresh buffer only
-    assert (1 << 18) - 8192 <= covered <= 1 << 18, covered
-    engine.buffers.clear()
-    # A buffer dropped before its slice comes up is skipped, not touched.
-    gone = torch.empty(1 << 14)
-    ref = weakref.ref(gone)
-    address = gone.data_ptr()
-    del gone
-    populate(ref, address, 1 << 14)
