@@ -34,6 +34,7 @@ from benchmarks.export_memory import (
     build,
     export_fn,
     machine,
+    measure,
     requirements_missing,
     state_bytes,
     timed,
@@ -63,12 +64,12 @@ def _legacy_e4m3(raw: torch.Tensor, out: torch.Tensor, *, scale: torch.Tensor) -
 
 
 def variants(moments: str, chunks: list[int], blocks: list[int | None]) -> list[dict[str, Any]]:
-    """BF16 and FP32 (a single copy pass): the chunk sizes. FP16 and FP8 (multi-pass, blocked):
-    the block sizes at the default chunk size, and for FP8 the previous decode too."""
+    """Every chunk size; for FP16 and FP8 (multi-pass, blocked) also the block sizes at the
+    default chunk size, and for FP8 the previous decode."""
     default = {"chunk_mib": CHUNK_MIB, "fp8_decode": "bits", "block_elements": None}
-    if moments in ("bf16", "fp32"):
-        return [{**default, "chunk_mib": c} for c in chunks]
-    out = [{**default, "block_elements": b} for b in blocks]
+    out = [{**default, "chunk_mib": c} for c in chunks]
+    if moments in ("fp16", "fp8"):
+        out += [{**default, "block_elements": b} for b in blocks if b is not None]
     if moments == "fp8":
         out.append({**default, "fp8_decode": "legacy"})
     return out
@@ -88,6 +89,11 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--chunks", default="16,32,64,128", help="chunk sizes in MiB")
+    parser.add_argument(
+        "--te-baseline",
+        action="store_true",
+        help="also time TE's export + DCP cpu_offload once per case (round 0)",
+    )
     parser.add_argument(
         "--blocks",
         default="4,8,16",
@@ -124,6 +130,28 @@ def main() -> int:
             True: max(raw_bytes / bw["d2h"], out_bytes / bw["warm"]),
         }
         checked: set[int] = set()
+        if args.te_baseline:
+            result = measure("te_default_dcp_cpu_offload", model, opt)  # verified inside
+            rec = {
+                "op": "export",
+                "mode": "te_default_dcp_cpu_offload",
+                "moments": moments,
+                "n_elements": int(n_mi) * MI,
+                "max_elements": int(m_mi) * MI,
+                "raw_bytes": raw_bytes,
+                "output_bytes": out_bytes,
+                "round": 0,
+                **result,
+                "repeat": False,
+                "bound_seconds": bounds[False],
+                "d2h_bytes_per_s": bw["d2h"],
+                "host_fresh_bytes_per_s": bw["fresh"],
+                "host_warm_bytes_per_s": bw["warm"],
+            }
+            rec["seconds_over_bound"] = rec["seconds"] / rec["bound_seconds"]
+            records.append(rec)
+            print(f"{moments} N={n_mi}M M={m_mi}M TE + DCP cpu_offload {rec['seconds']:.3f} s")
+            gc.collect()
         for round_ in range(args.rounds):
             for i, variant in enumerate(variants(moments, chunks, blocks)):
                 apply(variant, bits_decode)
@@ -170,15 +198,17 @@ def main() -> int:
         del model, opt
         gc.collect()
         torch.cuda.empty_cache()
-    apply({"chunk_mib": CHUNK_MIB, "fp8_decode": "bits", "block_elements": None}, bits_decode)
+    apply(variants("bf16", [CHUNK_MIB], [])[0], bits_decode)
 
     # The summary: median seconds over rounds per case, variant and first/repeat.
     groups: dict[tuple[Any, ...], list[float]] = {}
     for r in records:
-        key = (r["moments"], r["max_elements"] // MI, r["chunk_mib"], r["fp8_decode"],
-               block_label(r), r["repeat"])  # fmt: skip
+        if r["mode"].startswith("te_"):
+            continue
+        key = (r["moments"], r["n_elements"] // MI, r["max_elements"] // MI, r["chunk_mib"],
+               r["fp8_decode"], block_label(r), r["repeat"])  # fmt: skip
         groups.setdefault(key, []).append(r["seconds_over_bound"])
-    print("moments M chunk decode block repeat: median x T* (all rounds)")
+    print("moments N M chunk decode block repeat: median x T* (all rounds)")
     for key, ratios in groups.items():
         spread = ", ".join(f"{x:.2f}" for x in ratios)
         print(*key, f"{statistics.median(ratios):.2f}  ({spread})")
