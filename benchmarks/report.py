@@ -75,6 +75,52 @@ def table(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+DCP_OPS = ("dcp_save", "dcp_async_save", "dcp_load", "full_state_dict")
+DCP_LABELS = {
+    "te_default": "TE default",
+    "placement_cpu": 'export_placement("cpu")',
+    "placement_cpu_passthrough_stager": 'export_placement("cpu") + PassThroughStager',
+}
+
+
+def dcp_table(data: dict[str, Any]) -> str:
+    """The DCP end-to-end records (``benchmarks/dcp_e2e.py``): one row per op, mode and rank."""
+    m = data["machine"]
+    first = data["records"][0]
+    lines = [
+        f"Measured on {m.get('gpu_count', '?')}x {m['gpu']} (driver {m['driver']}), torch "
+        f"{m['torch']}, Transformer Engine {m['transformer_engine']}, {m.get('host_cpus', '?')} "
+        f"host cores; FSDP2 over {first['world_size']} ranks, {first['layers']} BF16 "
+        f"Linear({first['hidden']}, {first['hidden']}) layers, "
+        f"N = {first['n_elements'] / G:.2f} G local elements per rank, {first['moments'].upper()} "
+        "moments.",
+        "",
+        "| op | masters | mode | rank | extra GPU | GPU B/N | extra host | host B/N "
+        "| blocked s | total s |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    ops, modes = list(DCP_OPS), list(DCP_LABELS)
+
+    def order(r: dict[str, Any]) -> tuple[int, int, int]:
+        op = ops.index(r["op"]) if r["op"] in ops else len(ops)
+        mode = modes.index(r["mode"]) if r["mode"] in modes else len(modes)
+        return op, mode, r["rank"]
+
+    for r in sorted(data["records"], key=order):
+        label = DCP_LABELS.get(r["mode"], r["mode"])
+        if r.get("cpu_offload") and r["mode"] == "te_default":
+            label += " (cpu_offload=True)"
+        lines.append(
+            f"| {r['op']} | {r.get('masters', '')} | {label} "
+            f"| {r['rank']} | {r['peak_extra_gpu_bytes'] / G:.2f} GiB "
+            f"| {r['peak_extra_gpu_bytes'] / r['n_elements']:.2f} "
+            f"| {r['peak_extra_host_bytes'] / G:.2f} GiB "
+            f"| {r['peak_extra_host_bytes'] / r['n_elements']:.2f} "
+            f"| {r['seconds']:.2f} | {r['seconds_total']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def plot(data: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -126,7 +172,8 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, default=None)
     args = parser.parse_args()
     data = load(args.results)
-    print(table(data))
+    dcp = any(r.get("parallelism") == "fsdp2" and r["op"] != "export" for r in data["records"])
+    print(dcp_table(data) if dcp else table(data))
     if args.plot is not None:
         plot(data, args.plot)
 
