@@ -343,15 +343,18 @@ def make_optimizer(
     ``master`` is ``"none"``, ``"fp32"``, ``"fp16"`` or ``"remainder"`` (FP32 masters stored as
     int16 remainders of BF16 params).
     """
-    return StandInFusedAdam(
-        params,
-        lr=lr,
-        master_weights=master != "none",
-        master_weight_dtype=torch.float16 if master == "fp16" else torch.float32,
-        exp_avg_dtype=moments,
-        exp_avg_sq_dtype=moments,
-        store_param_remainders=master == "remainder",
-    )
+    return StandInFusedAdam(params, lr=lr, **storage_kwargs(moments=moments, master=master))
+
+
+def storage_kwargs(*, moments: torch.dtype, master: str) -> dict[str, Any]:
+    """TE FusedAdam's constructor arguments for a storage mode (also used with the real TE)."""
+    return {
+        "master_weights": master != "none",
+        "master_weight_dtype": torch.float16 if master == "fp16" else torch.float32,
+        "exp_avg_dtype": moments,
+        "exp_avg_sq_dtype": moments,
+        "store_param_remainders": master == "remainder",
+    }
 
 
 def train(optimizer: torch.optim.Optimizer, steps: int = 2, seed: int = 0) -> None:

@@ -728,17 +728,31 @@ def check_stateful(mesh: DeviceMesh, async_pg: Any, run: Run, root: Path) -> Non
     assert_same_run(fresh, run, f"{where}: async load", params=False)  # optimizer only
 
 
+SyncCase = tuple[torch.dtype, str, bool, str]  # moments, master, cpu_offload, checkpoint name
+SYNC_CASES: list[SyncCase] = [
+    (torch.bfloat16, "remainder", False, "sync_remainder"),
+    (torch.float16, "fp32", False, "sync_fp16"),
+]
+
+
+def run_all_checks(
+    mesh: DeviceMesh, async_pg: Any, base: Path, extra_sync: tuple[SyncCase, ...] = ()
+) -> None:
+    """Checks 1-7 on the current BACKEND; ``extra_sync`` adds sync round-trip cases."""
+    for moments, master, cpu_offload, name in (*SYNC_CASES, *extra_sync):
+        check_sync_round_trip(mesh, moments, master, cpu_offload, base / name)
+    run = check_sync_round_trip(mesh, torch.bfloat16, "fp32", True, base / "sync_bf16")
+    check_async(mesh, async_pg, run, base / "async")
+    check_full_state_dict(mesh, run)
+    check_stateful(mesh, async_pg, run, base / "stateful")
+    check_resharding(mesh, base / "reshard")
+
+
 def _worker(rank: int, port: int, root: str) -> None:
     mesh, async_pg = _init(rank, port)
     base = Path(root)
     try:
-        check_sync_round_trip(mesh, torch.bfloat16, "remainder", False, base / "sync_remainder")
-        check_sync_round_trip(mesh, torch.float16, "fp32", False, base / "sync_fp16")
-        run = check_sync_round_trip(mesh, torch.bfloat16, "fp32", True, base / "sync_bf16")
-        check_async(mesh, async_pg, run, base / "async")
-        check_full_state_dict(mesh, run)
-        check_stateful(mesh, async_pg, run, base / "stateful")
-        check_resharding(mesh, base / "reshard")
+        run_all_checks(mesh, async_pg, base)
     finally:
         dist.destroy_process_group()
 

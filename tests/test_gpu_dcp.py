@@ -34,15 +34,9 @@ def te_optimizer(
     """TE's FusedAdam in the storage mode the stand-in's ``make_optimizer`` names."""
     from transformer_engine.pytorch.optimizers import FusedAdam
 
-    return FusedAdam(
-        params,
-        lr=lr,
-        master_weights=master != "none",
-        master_weight_dtype=torch.float16 if master == "fp16" else torch.float32,
-        exp_avg_dtype=moments,
-        exp_avg_sq_dtype=moments,
-        store_param_remainders=master == "remainder",
-    )
+    from .standin import storage_kwargs
+
+    return FusedAdam(params, lr=lr, **storage_kwargs(moments=moments, master=master))
 
 
 def _worker(rank: int, port: int, root: str) -> None:
@@ -52,14 +46,7 @@ def _worker(rank: int, port: int, root: str) -> None:
     from te_ckpt_placement import install
 
     from . import test_dcp
-    from .test_dcp import (
-        Backend,
-        check_async,
-        check_full_state_dict,
-        check_resharding,
-        check_stateful,
-        check_sync_round_trip,
-    )
+    from .test_dcp import Backend, run_all_checks
 
     torch.cuda.set_device(rank)
     dist.init_process_group(
@@ -74,16 +61,11 @@ def _worker(rank: int, port: int, root: str) -> None:
     mesh = init_device_mesh("cuda", (WORLD,))
     # Async saves run their collectives in a background thread, on a group of their own.
     async_pg = dist.new_group(backend="gloo")
-    base = Path(root)
     try:
-        check_sync_round_trip(mesh, torch.bfloat16, "remainder", False, base / "sync_remainder")
-        check_sync_round_trip(mesh, torch.float16, "fp32", False, base / "sync_fp16")
-        check_sync_round_trip(mesh, torch.uint8, "fp32", True, base / "sync_fp8")
-        run = check_sync_round_trip(mesh, torch.bfloat16, "fp32", True, base / "sync_bf16")
-        check_async(mesh, async_pg, run, base / "async")
-        check_full_state_dict(mesh, run)
-        check_stateful(mesh, async_pg, run, base / "stateful")
-        check_resharding(mesh, base / "reshard")
+        # FP8 states of DTensors too: the CPU stand-in keeps FP8 of plain tensors only.
+        run_all_checks(
+            mesh, async_pg, Path(root), extra_sync=((torch.uint8, "fp32", True, "sync_fp8"),)
+        )
         torch.cuda.synchronize()
     finally:
         dist.destroy_process_group()
