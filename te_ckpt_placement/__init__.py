@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from .engine import pinned_pool_bytes
 from .policy import Placement, current_placement, export_placement
-from .te_adapter import ContractError, install, is_installed, uninstall
+from .te_contract import ContractError
+from .te_hooks import install, is_installed, uninstall
 
 if TYPE_CHECKING:
     from .dcp import PassThroughStager, PlacedOptimizerState

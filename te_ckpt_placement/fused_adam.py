@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from transformer_engine.pytorch.optimizers.fused_adam import FusedAdam as _TEFusedAdam
 
-from . import te_adapter
+from . import te_hooks
 from .policy import Placement, as_placement
 
 __all__ = ["FusedAdam"]
@@ -95,16 +95,22 @@ class FusedAdam(_TEFusedAdam):
 
     def state_dict(self) -> dict[str, Any]:
         """TE's ``state_dict()``, streamed to host memory when the policy in effect says so."""
-        return te_adapter.placed_state_dict(self, _TEFusedAdam, _te_method("state_dict"))
+        return te_hooks.placed_state_dict(
+            self, _TEFusedAdam, _te_method("state_dict"), default=self._te_ckpt_default_placement
+        )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """TE's ``load_state_dict()``, one state at a time when the policy in effect says so."""
-        te_adapter.placed_load_state_dict(
-            self, state_dict, _TEFusedAdam, _te_method("load_state_dict")
+        te_hooks.placed_load_state_dict(
+            self,
+            state_dict,
+            _TEFusedAdam,
+            _te_method("load_state_dict"),
+            default=self._te_ckpt_default_placement,
         )
 
 
 def _te_method(name: str) -> Any:
     # TE's method as TE wrote it, also when te_ckpt_placement.install() has hooked the class.
     method = _TEFusedAdam.__dict__[name]
-    return getattr(method, te_adapter.MARK, method)
+    return getattr(method, te_hooks.MARK, method)

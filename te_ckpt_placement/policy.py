@@ -1,8 +1,10 @@
 """The checkpoint-scoped export policy: ``export_placement`` and ``current_placement``.
 
 The policy lives in a :mod:`contextvars` variable, so every thread and every asyncio task sees only
-the policy it entered itself. Nothing here imports Transformer Engine: entering a policy only asks
-the TE adapter to hook TE's class if TE's optimizer module is (or later gets) imported.
+the policy it entered itself. Nothing here imports the rest of the package or Transformer Engine:
+entering a policy runs the hooks registered with :func:`on_enter`, through which
+:mod:`te_ckpt_placement.te_hooks` hooks TE's class if TE's optimizer module is (or later gets)
+imported.
 """
 
 from __future__ import annotations
@@ -16,9 +18,8 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
-__all__ = ["Placement", "current_placement", "export_placement", "resolve_placement"]
+__all__ = ["Placement", "current_placement", "export_placement", "on_enter", "resolve_placement"]
 
-VALID_DEVICES = ("cpu", None)
 VALID_CONVERSIONS = ("host", "device")
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -124,16 +125,25 @@ def current_placement() -> Placement | None:
     return stack[-1][1] if stack else None
 
 
-def resolve_placement(optimizer: object) -> Placement | None:
-    """The policy an optimizer's export follows: the active one, else the optimizer's own default.
+def resolve_placement(default: Placement | None = None) -> Placement | None:
+    """The policy an export follows: the active one, else ``default``.
 
-    The default is the ``state_dict_placement`` given to :class:`te_ckpt_placement.FusedAdam`.
+    ``default`` is an optimizer's own policy, such as the ``state_dict_placement`` given to
+    :class:`te_ckpt_placement.FusedAdam`.
     """
     active = current_placement()
-    if active is not None:
-        return active
-    default = getattr(optimizer, "_te_ckpt_default_placement", None)
-    return default if isinstance(default, Placement) else None
+    return active if active is not None else default
+
+
+# Called on entering a streaming policy. The TE hooks register here, so that this module imports
+# nothing of the package and entering a policy still hooks TE's class once TE is loaded.
+_ON_ENTER: list[Callable[[], None]] = []
+
+
+def on_enter(hook: Callable[[], None]) -> None:
+    """Registers ``hook`` to run each time a streaming policy is entered (once per hook)."""
+    if hook not in _ON_ENTER:
+        _ON_ENTER.append(hook)
 
 
 def as_placement(value: Placement | str | torch.device | None) -> Placement:
@@ -190,11 +200,9 @@ class export_placement:  # noqa: N801 - used like contextlib's lower-case helper
         return f"export_placement({self.placement!r})"
 
     def __enter__(self) -> Placement:
-        # Imported here, not at module level: the adapter is the only module that knows TE.
-        from . import te_adapter
-
         if self.placement.streams:
-            te_adapter.ensure_installed()
+            for hook in _ON_ENTER:
+                hook()
         _STACK.set((*_STACK.get(), (id(self), self.placement)))
         return self.placement
 

@@ -34,10 +34,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture
 def hooked_standin() -> Iterator[None]:
     """The CPU stand-in's state_dict/load_state_dict follow the policy, as TE's do once hooked."""
-    from te_ckpt_placement import te_adapter
+    from te_ckpt_placement import te_hooks
 
     from .standin import StandInFusedAdam
 
-    te_adapter.patch_class(StandInFusedAdam)
+    te_hooks.patch_class(StandInFusedAdam)
     yield
-    te_adapter.unpatch_class(StandInFusedAdam)
+    te_hooks.unpatch_class(StandInFusedAdam)

@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
-from te_ckpt_placement import export_placement, te_adapter
+from te_ckpt_placement import export_placement, te_hooks
 
 from .helpers import (
     aliases_live,
@@ -67,7 +67,7 @@ def _init(rank: int, port: int) -> DeviceMesh:
         init_method=f"tcp://127.0.0.1:{port}",
         timeout=datetime.timedelta(seconds=120),
     )
-    te_adapter.patch_class(StandInFusedAdam)
+    te_hooks.patch_class(StandInFusedAdam)
     return init_device_mesh("cpu", (WORLD,))
 
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from te_ckpt_placement import Placement, export_placement, te_adapter
+from te_ckpt_placement import Placement, engine, export_placement, te_contract, te_hooks
 from te_ckpt_placement.engine import StateSource, materialize
 
 from .helpers import (
@@ -123,7 +123,7 @@ def test_default_export_is_te_export_outside_a_policy() -> None:
     opt = make_optimizer(model_params(torch.float32), moments=torch.float32)
     train(opt)
     hooked = opt.state_dict()
-    te_adapter.unpatch_class(StandInFusedAdam)
+    te_hooks.unpatch_class(StandInFusedAdam)
     plain = opt.state_dict()
     assert_same_export(hooked, plain)
     # TE's own behaviour, aliasing included, is what runs when no policy is active.
@@ -144,14 +144,20 @@ def test_optimizer_default_placement_and_active_policy_wins() -> None:
     opt = make_optimizer(model_params(torch.float32), moments=torch.float32)
     train(opt)
     live = live_storages(opt)
-    opt._te_ckpt_default_placement = Placement(device="cpu")  # what the subclass stores
+    original = getattr(StandInFusedAdam.__dict__["state_dict"], te_hooks.MARK)
+
+    def export() -> dict:
+        # What te_ckpt_placement.FusedAdam.state_dict does with its state_dict_placement.
+        return te_hooks.placed_state_dict(
+            opt, StandInFusedAdam, original, default=Placement(device="cpu")
+        )
 
     def aliased(sd: dict) -> bool:
         return all(aliases_live(t, live) for t in exported_tensors(sd) if t.numel())
 
-    assert not aliased(opt.state_dict())
+    assert not aliased(export())
     with export_placement(None):
-        assert aliased(opt.state_dict())
+        assert aliased(export())
 
 
 def test_unknown_state_name_fails_before_any_copy(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -160,9 +166,7 @@ def test_unknown_state_name_fails_before_any_copy(monkeypatch: pytest.MonkeyPatc
     p = opt.param_groups[0]["params"][1]
     opt.state[p]["step"] = torch.tensor(3.0)
     copies: list[object] = []
-    monkeypatch.setattr(
-        te_adapter.engine, "materialize", lambda s: copies.append(s) or materialize(s)
-    )
+    monkeypatch.setattr(engine, "materialize", lambda s: copies.append(s) or materialize(s))
     with export_placement("cpu"), pytest.raises(ValueError, match=r"'step' of parameter 1"):
         opt.state_dict()
     assert copies == []
@@ -186,7 +190,7 @@ def test_missing_te_attribute_names_version_and_attribute() -> None:
     opt = make_optimizer(model_params(torch.float32), moments=torch.bfloat16)
     train(opt)
     del opt._scales
-    with export_placement("cpu"), pytest.raises(te_adapter.ContractError) as info:
+    with export_placement("cpu"), pytest.raises(te_contract.ContractError) as info:
         opt.state_dict()
     message = str(info.value)
     assert "_scales" in message and "transformer_engine" in message

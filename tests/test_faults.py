@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from te_ckpt_placement import current_placement, engine, export_placement, te_adapter
+from te_ckpt_placement import current_placement, engine, export_placement, te_load
 
 from .helpers import assert_same_export, assert_snapshot_equal, snapshot
 from .standin import StandInFusedAdam, make_optimizer, train
@@ -133,9 +133,9 @@ def test_load_without_rollback_keeps_no_host_copy(monkeypatch: pytest.MonkeyPatc
     with export_placement("cpu"):
         checkpoint = source.state_dict()
     kept: list[Any] = []
-    real_keep = te_adapter._Rollback.keep
+    real_keep = te_load._Rollback.keep
     monkeypatch.setattr(
-        te_adapter._Rollback, "keep", lambda self, t: kept.append(t) or real_keep(self, t)
+        te_load._Rollback, "keep", lambda self, t: kept.append(t) or real_keep(self, t)
     )
     with export_placement("cpu", rollback=False):
         target.load_state_dict(checkpoint)

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from te_ckpt_placement import Placement, export_placement, install, te_adapter
+from te_ckpt_placement import Placement, export_placement, install, te_contract, te_hooks
 from te_ckpt_placement.engine import materialize
 
 from .helpers import (
@@ -90,7 +90,7 @@ def test_bf16_upcast_exhaustive_against_te() -> None:
     every = torch.arange(-(1 << 15), 1 << 15, device="cuda", dtype=torch.int32)
     state.copy_(every.to(torch.int16).view(bf16))
     expected = opt.get_unscaled_state(param, "exp_avg")
-    source = te_adapter.describe_state(opt, param, "exp_avg", state, Placement(), index=0)
+    source = te_contract.describe_state(opt, param, "exp_avg", state, Placement(), index=0)
     assert source.kind == "upcast"
     assert torch.equal(bits(materialize(source)), bits(expected))
 
@@ -118,7 +118,7 @@ def test_host_conversion_exhaustive_against_te_kernels(kind: str) -> None:
         else:
             state._scale_inv.fill_(scale)
         expected = opt.get_unscaled_state(param, "exp_avg")
-        source = te_adapter.describe_state(
+        source = te_contract.describe_state(
             opt, param, "exp_avg", state, Placement(device="cpu"), index=0
         )
         assert source.kind == ("scaled" if kind == "fp16" else "fp8")
@@ -154,7 +154,7 @@ def test_outside_policy_te_export_is_unchanged() -> None:
     mode = MODES[1]  # FP32 moments: TE returns the live tensors themselves
     opt = make_te_optimizer(mode, make_params(mode))
     train(opt)
-    original = te_adapter.MARK
+    original = te_hooks.MARK
     hooked_sd = opt.state_dict()
     te_sd = getattr(type(opt).state_dict, original)(opt)
     assert_same_export(hooked_sd, te_sd)

@@ -220,6 +220,9 @@ def test_load_outside_policy_is_te_load() -> None:
     target = build(torch.bfloat16, "fp32", seed=1)
     train(target)
     before = storages(target)
+    # Kept alive, so that a new allocation cannot land on a freed address.
+    old_states = [dict(states) for states in target.state.values()]
     target.load_state_dict(copy.deepcopy(checkpoint))
+    assert old_states
     # TE's own load reallocates every state (L532-548): nothing is reused.
     assert not set(before.values()) & set(storages(target).values())

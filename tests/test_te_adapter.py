@@ -190,7 +190,8 @@ from te_ckpt_placement import (
     export_placement,
     install,
     is_installed,
-    te_adapter,
+    te_contract,
+    te_hooks,
     uninstall,
 )
 from tests.helpers import (
@@ -206,7 +207,7 @@ from tests.standin import train
 FAKE_VERSION = {FAKE_VERSION!r}
 DEADLOCK_S = {DEADLOCK_S!r}
 TE_MODULE = "transformer_engine.pytorch.optimizers.fused_adam"
-MARK = te_adapter.MARK
+MARK = te_hooks.MARK
 """
 
 PRELUDE += '''
@@ -267,7 +268,7 @@ def raises(exc_type, action):
 
 
 def watchers():
-    return [f for f in sys.meta_path if isinstance(f, te_adapter._ImportWatcher)]
+    return [f for f in sys.meta_path if isinstance(f, te_hooks._ImportWatcher)]
 
 
 def in_thread(name, action):
@@ -376,11 +377,11 @@ section(
     # Without TE a policy can still be entered: it only arms the import watcher...
     with export_placement("cpu"):
         assert current_placement() == Placement(device="cpu")
-        assert any(isinstance(f, te_adapter._ImportWatcher) for f in sys.meta_path)
+        assert any(isinstance(f, te_hooks._ImportWatcher) for f in sys.meta_path)
     assert not is_installed()
     # ...which uninstall() disarms.
     uninstall()
-    assert not any(isinstance(f, te_adapter._ImportWatcher) for f in sys.meta_path)
+    assert not any(isinstance(f, te_hooks._ImportWatcher) for f in sys.meta_path)
     """,
 )
 
@@ -491,7 +492,7 @@ section(
                     exp_avg_sq_dtype=torch.float16)
     train(opt)
     before = snapshot(opt)
-    version = te_adapter.te_version()
+    version = te_contract.te_version()
     if not te_distribution_installed():
         assert version == FAKE_VERSION, version
     del opt.name_to_dtype_map
@@ -502,12 +503,12 @@ section(
             opt.state_dict()
 
 
-    message = raises(te_adapter.ContractError, export)
+    message = raises(te_contract.ContractError, export)
     assert f"FusedAdam lacks name_to_dtype_map (transformer_engine {version};" in message, message
     assert "export_placement(None)" in message
     assert_snapshot_equal(before, snapshot(opt))
     del opt.store_param_remainders
-    message = raises(te_adapter.ContractError, export)
+    message = raises(te_contract.ContractError, export)
     assert "lacks name_to_dtype_map, store_param_remainders (" in message, message
     assert_snapshot_equal(before, snapshot(opt))
     """,
@@ -589,7 +590,7 @@ section(
         from transformer_engine.pytorch.optimizers import FusedAdam
 
         assert is_installed(), "TE imported inside a policy was not hooked"
-        assert not any(isinstance(f, te_adapter._ImportWatcher) for f in sys.meta_path)
+        assert not any(isinstance(f, te_hooks._ImportWatcher) for f in sys.meta_path)
         opt = FusedAdam(params(), master_weights=True, exp_avg_dtype=torch.bfloat16,
                         exp_avg_sq_dtype=torch.bfloat16)
         train(opt)
@@ -667,7 +668,7 @@ section(
         t.start()
     try:
         for r in range(ROUNDS):
-            te_adapter.unpatch_class(FusedAdam)  # unhooked again: the next round races to hook
+            te_hooks.unpatch_class(FusedAdam)  # unhooked again: the next round races to hook
             assert unhooked(FusedAdam, ORIGINALS) and not is_installed()
             barrier.wait()
             barrier.wait()
@@ -690,7 +691,7 @@ section(
     "install_race",
     "test_install_during_watched_import_does_not_deadlock",
     """
-    # Regression: install() imported TE while holding te_adapter._lock, and the import watcher's
+    # Regression: install() imported TE while holding te_hooks._lock, and the import watcher's
     # hook, which runs inside TE's module import lock, takes _lock: each thread waited for the
     # other, for ever.
     assert not te_loaded()
@@ -775,7 +776,7 @@ section(
 
 
     # The next policy entry raises, where the user asked for the streaming export.
-    message = raises(te_adapter.ContractError, enter_policy)
+    message = raises(te_contract.ContractError, enter_policy)
     assert "FusedAdam lacks get_unscaled_state (" in message, message
     assert current_placement() is None
     assert unhooked(FusedAdam, ORIGINALS)
@@ -788,7 +789,7 @@ section(
     """
     from transformer_engine.pytorch.optimizers.fused_adam import ORIGINALS, FusedAdam
 
-    version = te_adapter.te_version()
+    version = te_contract.te_version()
     if not te_distribution_installed():
         assert version == FAKE_VERSION, version
 
@@ -799,7 +800,7 @@ section(
 
 
     for action in (install, enter_policy):
-        message = raises(te_adapter.ContractError, action)
+        message = raises(te_contract.ContractError, action)
         assert f"FusedAdam lacks get_unscaled_state (transformer_engine {version};" in message, (
             message
         )
