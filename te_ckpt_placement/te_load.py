@@ -26,7 +26,7 @@ from .te_contract import (
     stored_dtype,
 )
 
-__all__ = ["plan_load", "stream_load_state_dict"]
+__all__ = ["initialize_states", "plan_load", "stream_load_state_dict"]
 
 
 def _load_error(index: object, name: str | None, problem: str) -> ValueError:
@@ -243,3 +243,28 @@ def _load_one(optimizer: Any, param: torch.Tensor, name: str, value: torch.Tenso
         # TE scales FP16/FP8 inputs in place (L307); never in the caller's tensor.
         unscaled = unscaled.clone()
     optimizer.set_scaled_state(param, name, unscaled)
+
+
+def initialize_states(optimizer: Any) -> bool:
+    """Gives every parameter of a fresh optimizer TE's initial states, without a step.
+
+    torch's ``get_optimizer_state_dict``/``set_optimizer_state_dict`` initialize an optimizer
+    that has no state with a fake step (``_init_optim_state``): zero gradients for every
+    parameter, then ``step()`` with its temporaries, all on the GPU. TE can build its states
+    directly (``initialize_state``, TE 2.20.2 fused_adam.py L456-480, the call its own ``step``
+    makes at L630-634), and torch skips its fake step for an optimizer that has state.
+
+    Returns:
+        True if states were created; False (and nothing done) when the optimizer already has
+        state or any parameter has a gradient, the cases where torch skips its fake step too.
+    """
+    check_contract(optimizer)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if optimizer.state or any(p.grad is not None for p in params):
+        return False
+    for param in params:
+        if not optimizer.state.get(param):
+            optimizer.initialize_state(
+                param, bool(optimizer.store_param_remainders and param.dtype == torch.bfloat16)
+            )
+    return True

@@ -226,3 +226,45 @@ def test_load_outside_policy_is_te_load() -> None:
     assert old_states
     # TE's own load reallocates every state (L532-548): nothing is reused.
     assert not set(before.values()) & set(storages(target).values())
+
+
+@pytest.mark.parametrize("policy", ["cpu", None])
+@pytest.mark.parametrize(("moments", "master"), list(itertools.product(MOMENTS, MASTERS)))
+def test_initialize_states_then_load_equals_torch_fake_step_then_load(
+    moments: torch.dtype, master: str, policy: str | None
+) -> None:
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    from te_ckpt_placement.te_load import initialize_states
+
+    ours, ref = build(moments, master), build(moments, master)
+    assert initialize_states(ours)
+    _init_optim_state(ref)  # what get_/set_optimizer_state_dict run on a fresh optimizer
+    assert all(p.grad is None for g in ours.param_groups for p in g["params"])
+    assert snapshot(ours).keys() == remap(snapshot(ref), pairs(ours, ref)).keys()
+    if moments not in (torch.float16, torch.uint8) and master != "fp16":
+        # Unscaled storage: the same states; scaled ones differ only in their scales (TE's
+        # initialize_state sets 1, a step of zeros sets 0), which every load resets (L452).
+        assert_snapshot_equal(snapshot(ours), remap(snapshot(ref), pairs(ours, ref)))
+    # torch then skips its fake step, and a second call does nothing.
+    before = snapshot(ours)
+    _init_optim_state(ours)
+    assert not initialize_states(ours)
+    assert_snapshot_equal(before, snapshot(ours))
+    assert all(p.grad is None for g in ours.param_groups for p in g["params"])
+    with export_placement("cpu"):
+        checkpoint = trained(moments, master, seed=3, steps=2).state_dict()
+    with export_placement(policy):
+        ours.load_state_dict(copy.deepcopy(checkpoint))
+        ref.load_state_dict(copy.deepcopy(checkpoint))
+    assert_same_optimizer(ours, ref)
+
+
+def test_initialize_states_skips_when_grads_exist() -> None:
+    from te_ckpt_placement.te_load import initialize_states
+
+    opt = build(torch.bfloat16, "fp32")
+    first = opt.param_groups[0]["params"][0]
+    first.grad = torch.zeros_like(first)
+    assert not initialize_states(opt)
+    assert not opt.state

@@ -1,0 +1,14 @@
+"""torch.distributed.checkpoint (DCP) helpers for streamed optimizer exports.
+
+- :class:`PassThroughStager`: an ``AsyncStager`` for ``dcp.async_save`` that hands tensors produced
+  by a streaming export to the writer as they are, and stages everything else with torch's stager.
+- :class:`PlacedOptimizerState`: a ``Stateful`` over (model, optimizers), the way torchtitan and
+  NeMo Automodel wrap them, whose ``state_dict``/``load_state_dict`` run under an export policy.
+
+Importing this package imports torch.distributed.checkpoint, not Transformer Engine.
+"""
+
+from .stager import PassThroughStager
+from .state import PlacedOptimizerState
+
+__all__ = ["PassThroughStager", "PlacedOptimizerState"]

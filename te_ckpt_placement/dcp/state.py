@@ -1,0 +1,160 @@
+"""``PlacedOptimizerState``: a DCP ``Stateful`` of optimizer state under an export policy.
+
+Uses only APIs that torch 2.11 (the GPU machine's version) and 2.13 share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from ..policy import Placement, as_placement, export_placement
+
+__all__ = ["PlacedOptimizerState"]
+
+StateDict = dict[str, Any]
+
+ModelParts = torch.nn.Module | Sequence[torch.nn.Module]
+Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer]
+
+
+def _as_list(value: Any, kind: type, what: str, hint: str) -> list[Any]:
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not items or not all(isinstance(item, kind) for item in items):
+        raise ValueError(f"unsupported {what} {value!r}: valid values are {hint}")
+    return items
+
+
+class PlacedOptimizerState(Stateful):
+    """A DCP ``Stateful`` of optimizer state, exported and loaded under an export policy.
+
+    ``dcp.save({"optim": state})`` calls :meth:`state_dict`, which returns
+    ``get_optimizer_state_dict(model, optimizer, options=...)`` with
+    ``flatten_optimizer_state_dict=True`` computed inside ``export_placement(placement)``: TE
+    FusedAdam states stream to host memory instead of piling up on the GPU. ``dcp.load`` calls
+    :meth:`state_dict` for the load template (so the template is on the host too), reads the
+    checkpoint into it, and calls :meth:`load_state_dict`, which runs ``set_optimizer_state_dict``
+    under the same policy (one state at a time, without torch's bulk cast to the GPU).
+
+    Like torchtitan's ``OptimizersContainer`` and Automodel's ``OptimizerState``, it accepts one
+    model with its optimizer(s), or model parts (pipeline stages) with one optimizer each; the
+    parts' flattened dicts are merged into one.
+
+    Args:
+        model: A ``torch.nn.Module``, or a list of model parts.
+        optimizers: An optimizer (or a list of optimizers) of ``model``; for a list of model
+            parts, a list with one optimizer per part.
+        placement: The export policy: ``"cpu"`` (default), a :class:`~te_ckpt_placement.Placement`
+            (for its options), or ``None`` for Transformer Engine's own export.
+        options: ``StateDictOptions`` for ``get_/set_optimizer_state_dict``; it must keep
+            ``flatten_optimizer_state_dict=True`` (the default here), which merging model parts
+            and DCP resharding rely on.
+
+    Raises:
+        ValueError: for a model, optimizer, placement or options value outside those above.
+
+    Example:
+        >>> import torch.distributed.checkpoint as dcp
+        >>> state = PlacedOptimizerState(model, optimizer)  # doctest: +SKIP
+        >>> dcp.save({"optim": state}, checkpoint_id=path)  # doctest: +SKIP
+        >>> dcp.load({"optim": state}, checkpoint_id=path)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        model: ModelParts,
+        optimizers: Optimizers,
+        *,
+        placement: Placement | str | torch.device | None = "cpu",
+        options: StateDictOptions | None = None,
+    ) -> None:
+        parts = _as_list(
+            model,
+            torch.nn.Module,
+            "model",
+            "a torch.nn.Module or a non-empty list of them (model parts)",
+        )
+        optims = _as_list(
+            optimizers,
+            torch.optim.Optimizer,
+            "optimizers",
+            "a torch.optim.Optimizer or a non-empty list of them",
+        )
+        if len(parts) > 1 and len(optims) != len(parts):
+            raise ValueError(
+                f"{len(parts)} model parts but {len(optims)} optimizers: valid values are one "
+                "optimizer per model part, in the same order"
+            )
+        if options is None:
+            options = StateDictOptions(flatten_optimizer_state_dict=True)
+        elif not isinstance(options, StateDictOptions):
+            raise ValueError(
+                f"unsupported options {options!r}: valid values are None or a "
+                "torch.distributed.checkpoint.state_dict.StateDictOptions"
+            )
+        elif not options.flatten_optimizer_state_dict:
+            raise ValueError(
+                "unsupported options: flatten_optimizer_state_dict=False; valid values are "
+                "StateDictOptions(flatten_optimizer_state_dict=True, ...), which DCP resharding "
+                "and merging model parts need"
+            )
+        elif options.full_state_dict:
+            # Saving would work, but torch 2.13 cannot load a flattened full state dict
+            # (set_optimizer_state_dict raises KeyError 'param_groups.0.params.0', for
+            # torch.optim.Adam too; the code is the same in 2.11). Refusing here beats failing
+            # at resume time; DCP reshards sharded checkpoints by itself, so full_state_dict buys
+            # nothing here.
+            raise ValueError(
+                "unsupported options: full_state_dict=True; valid values are "
+                "StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True or False). "
+                "torch cannot load a flattened full optimizer state dict, and DCP reshards "
+                "sharded checkpoints itself"
+            )
+        self.placement = as_placement(placement)  # raises ValueError naming the valid values
+        self.options = options
+        # One (model, optimizers) pair per call of get_/set_optimizer_state_dict.
+        if len(parts) == 1:
+            self._pairs = [(parts[0], tuple(optims))]
+        else:
+            self._pairs = [(part, (opt,)) for part, opt in zip(parts, optims, strict=True)]
+
+    def _each(self, fn: Callable[[torch.nn.Module, tuple[Any, ...]], Any]) -> list[Any]:
+        # The policy covers the whole call: export, DCP's fake step on a fresh optimizer, load.
+        with export_placement(self.placement):
+            return [fn(model, optims) for model, optims in self._pairs]
+
+    def state_dict(self) -> StateDict:
+        """The flattened optimizer state dict, exported under the policy.
+
+        Raises:
+            ValueError: two model parts export the same key (their FQNs overlap).
+        """
+        merged: StateDict = {}
+        for part in self._each(
+            lambda model, optims: get_optimizer_state_dict(model, optims, options=self.options)
+        ):
+            overlap = merged.keys() & part.keys()
+            if overlap:
+                raise ValueError(
+                    f"model parts export the same keys {sorted(overlap)[:3]}: give each part "
+                    "distinct parameter names"
+                )
+            merged.update(part)
+        return merged
+
+    def load_state_dict(self, state_dict: StateDict) -> None:
+        """Loads a flattened optimizer state dict into every optimizer, under the policy."""
+        # Each part picks its own keys from the merged dict (as torchtitan's container does).
+        self._each(
+            lambda model, optims: set_optimizer_state_dict(
+                model, optims, optim_state_dict=state_dict, options=self.options
+            )
+        )
