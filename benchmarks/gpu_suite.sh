@@ -1,11 +1,18 @@
 #!/usr/bin/env bash
 # The GPU session in one call: environment facts, the GPU tests, then the export benchmark.
-# Run from the repo root on the GPU machine, with the TE kit in .te/ and $OUT set:
-#   bash benchmarks/gpu_suite.sh [default|full] [pytest -k expression]
+# Run from the repo root on the GPU machine, with the TE kit in .te/ (docs/contributing.md) and
+# $OUT set; TE_CKPT_NO_KIT=1 uses an installed Transformer Engine instead of the kit:
+#   bash benchmarks/gpu_suite.sh [default|full|none] [pytest -k expression]
 set -uo pipefail
 sweep=${1:-default}
 select=${2:-}
-source .te/setup.sh || exit 1
+if [ -z "${TE_CKPT_NO_KIT:-}" ]; then
+  if [ ! -f .te/setup.sh ]; then
+    echo "no TE kit in .te/ (docs/contributing.md says how to set it up), and TE_CKPT_NO_KIT is unset" >&2
+    exit 2
+  fi
+  source .te/setup.sh || exit 1
+fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/out}
 mkdir -p "$out"

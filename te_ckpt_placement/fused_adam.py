@@ -10,7 +10,16 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from transformer_engine.pytorch.optimizers.fused_adam import FusedAdam as _TEFusedAdam
+
+try:
+    from transformer_engine.pytorch.optimizers.fused_adam import FusedAdam as _TEFusedAdam
+except ImportError as exc:
+    raise ImportError(
+        "te_ckpt_placement.FusedAdam is a subclass of Transformer Engine's FusedAdam and needs "
+        "Transformer Engine for PyTorch: pip install 'transformer-engine[pytorch]' (tested with "
+        f"2.20.2). Importing it failed: {exc}. Without TE, export_placement and the rest of "
+        "te_ckpt_placement import fine; they only act on TE's optimizer."
+    ) from exc
 
 from . import te_hooks
 from .policy import Placement, as_placement
