@@ -9,6 +9,7 @@ optimizer module is (or later gets) imported.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import enum
 import functools
@@ -265,10 +266,11 @@ class export_placement:  # noqa: N801 - used like contextlib's lower-case helper
 
     As a decorator it covers the whole call; a call that returns an awaitable (``async def``,
     also behind a plain wrapper, a ``functools.partial`` or an ``async def __call__``) returns a
-    coroutine that awaits it under the policy. Generators, async generators and calls that return
-    one are refused with ``TypeError`` (the policy would be in effect in their caller between
-    yields), and so are classes; ``staticmethod`` and ``classmethod`` objects are decorated
-    through.
+    coroutine that awaits it under the policy. An asyncio Future or Task is returned as it is (a
+    task created in the call keeps the policy it was created under). Generators, async
+    generators and calls that return one are refused with ``TypeError`` (the policy would be in
+    effect in their caller between yields), and so are classes; ``staticmethod`` and
+    ``classmethod`` objects are decorated through.
 
     Blocks exit innermost first. One exited out of order (a generator holding a policy across a
     ``yield``, closed inside another block) loses its policy at once, the blocks still open keep
@@ -410,6 +412,8 @@ def _name(func: object) -> str:
 
 def _scope_result(func: object, result: Any, placement: Placement) -> Any:
     """Keeps the deferred work of a call's result under the policy, or refuses it."""
+    if asyncio.isfuture(result):  # a Task runs in the context it copied when it was created
+        return result
     if inspect.isawaitable(result):
         scoped: Any = _awaited_under(placement, result)
         if inspect.iscoroutine(result):  # "coroutine ... was never awaited" names the callee

@@ -239,6 +239,23 @@ def test_decorator_scopes_the_awaited_body_of_any_async_callable(case: str) -> N
     assert current_placement() is None
 
 
+def test_task_returned_by_a_decorated_call_is_returned_as_is() -> None:
+    async def main() -> None:
+        created: list[asyncio.Task[tuple[int, str | None]]] = []
+
+        @export_placement("cpu")
+        def start() -> asyncio.Task[tuple[int, str | None]]:
+            created.append(asyncio.ensure_future(_body(7)))  # copies the context: under "cpu"
+            return created[-1]
+
+        task = start()
+        assert task is created[0]
+        assert await task == (7, "cpu")
+        assert device() is None
+
+    asyncio.run(main())
+
+
 def test_decorated_coroutine_function_stays_one() -> None:
     @export_placement("cpu")
     async def save() -> None: ...
