@@ -1,24 +1,34 @@
 """The checkpoint-scoped export policy: ``export_placement`` and ``current_placement``.
 
 The policy lives in a :mod:`contextvars` variable, so every thread and every asyncio task sees only
-the policy it entered itself. Nothing here imports the rest of the package or Transformer Engine:
-entering a policy runs the hooks registered with :func:`on_enter`, through which
-:mod:`te_ckpt_placement.te_hooks` hooks TE's class if TE's optimizer module is (or later gets)
-imported.
+the policy it entered itself: the innermost block still open in it. Nothing here imports the rest
+of the package or Transformer Engine: entering a policy runs the hooks registered with
+:func:`on_enter`, through which :mod:`te_ckpt_placement.te_hooks` hooks TE's class if TE's
+optimizer module is (or later gets) imported.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
+import enum
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from types import TracebackType
+from typing import Any, Literal, NamedTuple, TypeVar
 
 import torch
 
-__all__ = ["Placement", "current_placement", "export_placement", "on_enter", "resolve_placement"]
+__all__ = [
+    "Placement",
+    "as_placement",
+    "current_placement",
+    "export_placement",
+    "on_enter",
+    "resolve_placement",
+]
 
 VALID_CONVERSIONS = ("host", "device")
 
@@ -100,10 +110,21 @@ class Placement:
         return self.device is not None
 
 
-# A stack rather than a single value: __exit__ must pop exactly the frame its own __enter__
-# pushed in this context, even when one export_placement object is shared by several threads or
-# tasks (the decorator case). Each frame is (owner object id, placement).
-_STACK: contextvars.ContextVar[tuple[tuple[int, Placement], ...]] = contextvars.ContextVar(
+class _Frame(NamedTuple):
+    """One open policy block in a context: who entered it and what it placed."""
+
+    owner: export_placement
+    placement: Placement
+    # The error of an out-of-order exit that happened inside this block while a generator or
+    # coroutine was being closed, where it may never be seen (the garbage collector closes
+    # abandoned generators): this block's own exit raises it too.
+    fault: RuntimeError | None = None
+
+
+# The blocks open in this thread or task, in the order they were entered. Each exit removes
+# exactly its own block's frame, wherever it is, so a policy lasts exactly as long as its block.
+# A tuple, set whole, so that every change is one atomic ContextVar.set.
+_STACK: contextvars.ContextVar[tuple[_Frame, ...]] = contextvars.ContextVar(
     "te_ckpt_placement_stack", default=()
 )
 
@@ -122,7 +143,7 @@ def current_placement() -> Placement | None:
         True
     """
     stack = _STACK.get()
-    return stack[-1][1] if stack else None
+    return stack[-1].placement if stack else None
 
 
 def resolve_placement(default: Placement | None = None) -> Placement | None:
@@ -153,6 +174,87 @@ def as_placement(value: Placement | str | torch.device | None) -> Placement:
     return Placement(device=value)  # type: ignore[arg-type]
 
 
+class _Default(enum.Enum):
+    """An option left out of ``export_placement(...)``: :class:`Placement`'s default applies."""
+
+    DEFAULT = "default"
+
+    def __repr__(self) -> str:
+        return "<Placement's default>"
+
+
+_DEFAULT = _Default.DEFAULT
+
+# Where to put the policy in a generator: never across a `yield`, since a generator runs in the
+# context of the code that iterates it.
+_ADVICE = (
+    "Inside the generator, put `with export_placement(...)` around each export and end the block "
+    "before the next `yield`, or move the export into a function decorated with "
+    "`@export_placement(...)` and call that from the generator."
+)
+_GENERATOR_ADVICE = (
+    "A generator's body runs while it is iterated, after the call has returned, and a policy "
+    "held across a `yield` is in effect in the code that iterates it, between items. " + _ADVICE
+)
+_OUT_OF_ORDER = (
+    "export_placement exited out of order: a policy block entered after it is still open in "
+    "this thread or task (blocks must exit innermost first). A generator or async generator "
+    "that yields inside `with export_placement(...)` does this, and its policy is then in effect "
+    "in the code that iterates it, between yields. " + _ADVICE + " This block's policy has been "
+    "removed; the blocks still open keep theirs."
+)
+
+
+def _propagating(error: BaseException, exc: BaseException | None) -> bool:
+    """True when ``error`` is ``exc`` or in its cause/context chain (already on its way out)."""
+    todo, seen = [exc], set()
+    while todo:
+        current = todo.pop()
+        if current is None or id(current) in seen:
+            continue
+        if current is error:
+            return True
+        seen.add(id(current))
+        todo += [current.__cause__, current.__context__]
+    return False
+
+
+def _close(
+    stack: tuple[_Frame, ...],
+    owner: export_placement,
+    exc_type: type[BaseException] | None,
+    exc: BaseException | None,
+) -> tuple[tuple[_Frame, ...], RuntimeError | None]:
+    """The stack without ``owner``'s innermost frame, and the error its exit must raise."""
+    for i in range(len(stack) - 1, -1, -1):
+        if stack[i].owner is owner:
+            break
+    else:
+        return stack, RuntimeError(
+            f"{owner!r} exited without a matching entry in this thread or task: each block must "
+            "be exited once, in the thread or task that entered it"
+        )
+    frame, rest = stack[i], stack[:i] + stack[i + 1 :]
+    error = RuntimeError(_OUT_OF_ORDER) if i != len(stack) - 1 else None
+    if frame.fault is not None and not _propagating(frame.fault, exc):
+        pending = RuntimeError(
+            "a policy block inside this one was exited out of order while a generator or "
+            "coroutine was being closed, where its error could not be seen (for example by the "
+            f"garbage collector): {frame.fault}"
+        )
+        pending.__cause__ = frame.fault
+        if error is None:
+            error = pending
+        else:
+            error.__cause__ = pending
+    # Closing a generator or coroutine, maybe from the garbage collector, where a raise is only
+    # reported as unraisable: the innermost block still open raises it again on its exit.
+    closing = exc_type is not None and issubclass(exc_type, GeneratorExit)
+    if error is not None and closing and rest and rest[-1].fault is None:
+        rest = (*rest[:-1], rest[-1]._replace(fault=error))
+    return rest, error
+
+
 class export_placement:  # noqa: N801 - used like contextlib's lower-case helpers
     """Places Transformer Engine ``FusedAdam`` exports inside a block, a function or a coroutine.
 
@@ -160,14 +262,35 @@ class export_placement:  # noqa: N801 - used like contextlib's lower-case helper
     it) streams: each state is converted, placed on the CPU with its DTensor metadata kept, and
     released on the GPU before the next one is produced. Outside, TE behaves as before.
 
+    Give a device and keyword options, or one :class:`Placement` alone.
+
+    As a decorator it covers the whole call; a call that returns an awaitable (``async def``,
+    also behind a plain wrapper, a ``functools.partial`` or an ``async def __call__``) returns a
+    coroutine that awaits it under the policy. An asyncio Future or Task is returned as it is (a
+    task created in the call keeps the policy it was created under). Generators, async
+    generators and calls that return one are refused with ``TypeError`` (the policy would be in
+    effect in their caller between yields), and so are classes; ``staticmethod`` and
+    ``classmethod`` objects are decorated through.
+
+    Blocks exit innermost first. One exited out of order (a generator holding a policy across a
+    ``yield``, closed inside another block) loses its policy at once, the blocks still open keep
+    theirs, and its exit raises ``RuntimeError``; if that exit ran as a generator was closed
+    (maybe by the garbage collector, which only reports it as unraisable), the enclosing block's
+    exit raises it too. A ``KeyboardInterrupt`` in ``__enter__`` or ``__exit__`` leaves no frame
+    behind, except one arriving at the very first instruction of ``__exit__``, before any of its
+    code runs (as for every context manager written in Python).
+
     Args:
-        device: ``"cpu"`` or ``None`` (TE's default export, also inside an outer CPU policy).
+        device: ``"cpu"`` or ``None`` (TE's default export, also inside an outer CPU policy), or
+            a :class:`Placement`.
         conversion: ``"host"`` or ``"device"``; see :class:`Placement`.
         reuse_buffers: ``True`` or ``False``; see :class:`Placement`.
         rollback: ``True`` or ``False``; see :class:`Placement`.
 
     Raises:
-        ValueError: for any other device or option value.
+        ValueError: for any other device or option value, or options next to a ``Placement``.
+        TypeError: for ``@export_placement`` without parentheses (write
+            ``@export_placement("cpu")``).
 
     Example:
         >>> with export_placement("cpu"):
@@ -182,40 +305,88 @@ class export_placement:  # noqa: N801 - used like contextlib's lower-case helper
         self,
         device: Placement | str | torch.device | None = "cpu",
         *,
-        conversion: Literal["host", "device"] = "host",
-        reuse_buffers: bool = False,
-        rollback: bool = True,
+        conversion: Literal["host", "device"] | _Default = _DEFAULT,
+        reuse_buffers: bool | _Default = _DEFAULT,
+        rollback: bool | _Default = _DEFAULT,
     ) -> None:
+        given = {"conversion": conversion, "reuse_buffers": reuse_buffers, "rollback": rollback}
+        options = {name: value for name, value in given.items() if value is not _DEFAULT}
         if isinstance(device, Placement):
+            if options:
+                raise ValueError(
+                    f"export_placement got a Placement and the options {sorted(options)}: give "
+                    "either one Placement, export_placement(Placement(device='cpu', "
+                    "conversion='device')), or a device and options, "
+                    "export_placement('cpu', conversion='device')"
+                )
             self.placement = device
-        else:
-            self.placement = Placement(
-                device=device,  # type: ignore[arg-type]
-                conversion=conversion,
-                reuse_buffers=reuse_buffers,
-                rollback=rollback,
+            return
+        if callable(device) or isinstance(device, (staticmethod, classmethod)):
+            raise TypeError(
+                f"export_placement got {device!r} as its device: used as a decorator it needs "
+                'its device, with parentheses: @export_placement("cpu"), or '
+                "@export_placement(None) for Transformer Engine's own export"
             )
+        self.placement = Placement(device=device, **options)  # type: ignore[arg-type]
 
     def __repr__(self) -> str:
         return f"export_placement({self.placement!r})"
 
     def __enter__(self) -> Placement:
-        if self.placement.streams:
-            for hook in _ON_ENTER:
+        placement = self.placement
+        if placement.streams:
+            for hook in tuple(_ON_ENTER):
                 hook()
-        _STACK.set((*_STACK.get(), (id(self), self.placement)))
-        return self.placement
-
-    def __exit__(self, *exc_info: object) -> None:
         stack = _STACK.get()
-        if not stack or stack[-1][0] != id(self):
-            raise RuntimeError(
-                "export_placement exited out of order: exit the innermost policy first "
-                "(each `with` block must close the policy it opened)"
-            )
-        _STACK.set(stack[:-1])
+        # The push is the last step: whatever raised above (a hook) left nothing pushed. If
+        # anything interrupts after it, the `with` statement does not call __exit__: undo here.
+        try:
+            _STACK.set((*stack, _Frame(self, placement)))
+            return placement
+        except BaseException:
+            _STACK.set(stack)
+            raise
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        # Whatever interrupts this exit, the `with` statement will not call it again: every
+        # handler below still removes this block's frame, once.
+        try:
+            stack = _STACK.get()
+        except BaseException:
+            _STACK.set(_close(_STACK.get(), self, exc_type, exc)[0])
+            raise
+        try:
+            remaining, error = _close(stack, self, exc_type, exc)
+            _STACK.set(remaining)
+        except BaseException:
+            if _STACK.get() is stack:  # interrupted before the set above
+                _STACK.set(_close(stack, self, exc_type, exc)[0])
+            raise
+        if error is not None:
+            raise error
 
     def __call__(self, func: _F) -> _F:
+        if isinstance(func, (staticmethod, classmethod)):
+            return type(func)(self(func.__func__))  # type: ignore[return-value]
+        if inspect.isclass(func):
+            raise TypeError(
+                f"export_placement cannot decorate the class {func.__qualname__}: decorate the "
+                "methods (or the function) that export or load optimizer state, or use "
+                "`with export_placement(...)` around the calls"
+            )
+        if not callable(func):
+            raise TypeError(f"export_placement decorates functions; got {func!r}")
+        if inspect.isgeneratorfunction(func) or inspect.isasyncgenfunction(func):
+            raise TypeError(
+                f"export_placement cannot decorate {_name(func)}: it is a generator function. "
+                + _GENERATOR_ADVICE
+            )
+
         if inspect.iscoroutinefunction(func):
 
             @functools.wraps(func)
@@ -225,15 +396,43 @@ class export_placement:  # noqa: N801 - used like contextlib's lower-case helper
 
             return async_wrapper  # type: ignore[return-value]
 
-        if inspect.isgeneratorfunction(func) or inspect.isasyncgenfunction(func):
-            raise TypeError(
-                "export_placement cannot decorate a generator: the policy would leak into the "
-                "caller between yields. Use `with export_placement(...)` inside the generator."
-            )
-
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            with export_placement(self.placement):
-                return func(*args, **kwargs)
+            placement = self.placement
+            with export_placement(placement):
+                result = func(*args, **kwargs)
+            return _scope_result(func, result, placement)
 
         return wrapper  # type: ignore[return-value]
+
+
+def _name(func: object) -> str:
+    return getattr(func, "__qualname__", None) or repr(func)
+
+
+def _scope_result(func: object, result: Any, placement: Placement) -> Any:
+    """Keeps the deferred work of a call's result under the policy, or refuses it."""
+    if asyncio.isfuture(result):  # a Task runs in the context it copied when it was created
+        return result
+    if inspect.isawaitable(result):
+        scoped: Any = _awaited_under(placement, result)
+        if inspect.iscoroutine(result):  # "coroutine ... was never awaited" names the callee
+            scoped.__name__, scoped.__qualname__ = result.__name__, result.__qualname__
+        return scoped
+    if inspect.isgenerator(result):
+        with export_placement(placement):
+            result.close()  # runs nothing unless the call had started it
+        kind = "a generator (now closed)"
+    elif inspect.isasyncgen(result):
+        kind = "an async generator"
+    else:
+        return result
+    raise TypeError(
+        f"export_placement cannot scope {_name(func)}: the call returned {kind}. "
+        + _GENERATOR_ADVICE
+    )
+
+
+async def _awaited_under(placement: Placement, awaitable: Awaitable[Any]) -> Any:
+    with export_placement(placement):
+        return await awaitable

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import subprocess
 import sys
 import threading
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -72,8 +76,13 @@ def test_exit_out_of_order_is_refused() -> None:
     inner.__enter__()
     with pytest.raises(RuntimeError, match="out of order"):
         outer.__exit__(None, None, None)
+    # The refused exit still closed the outer block (a `with` never calls __exit__ twice); the
+    # inner block is still open and keeps its policy.
+    assert current_placement() == Placement(device=None)
     inner.__exit__(None, None, None)
-    outer.__exit__(None, None, None)
+    assert current_placement() is None
+    with pytest.raises(RuntimeError, match="without a matching entry"):
+        outer.__exit__(None, None, None)
     assert current_placement() is None
 
 
@@ -142,6 +151,187 @@ def test_decorator_on_async_def_restores_on_exception() -> None:
 
 def test_decorating_a_generator_is_refused() -> None:
     def gen():  # type: ignore[no-untyped-def]
+        yield 1
+
+    with pytest.raises(TypeError, match="generator"):
+        export_placement("cpu")(gen)
+
+
+def test_generator_advice_keeps_the_policy_off_yields() -> None:
+    async def agen() -> AsyncIterator[int]:
+        yield 1
+
+    for gen in (lambda: (yield 1), agen):
+        with pytest.raises(TypeError, match="generator") as info:
+            export_placement("cpu")(gen)
+        # Not "use `with export_placement(...)` inside the generator": held across a yield, that
+        # policy is in effect in the caller between items.
+        assert "end the block before the next `yield`" in str(info.value)
+        assert "decorated with `@export_placement(...)`" in str(info.value)
+
+
+def test_the_generator_advice_is_correct() -> None:
+    """Both ways the advice gives keep the policy on the export and off the caller."""
+
+    def scoped_in_body() -> Iterator[str | None]:
+        for _ in range(2):
+            with export_placement("cpu"):
+                seen = device()
+            yield seen
+
+    @export_placement("cpu")
+    def export() -> str | None:
+        return device()
+
+    def through_helper() -> Iterator[str | None]:
+        for _ in range(2):
+            yield export()
+
+    for gen in (scoped_in_body, through_helper):
+        assert [(seen, device()) for seen in gen()] == [("cpu", None)] * 2
+
+
+class AsyncCallable:
+    async def __call__(self, x: int) -> tuple[int, str | None]:
+        await asyncio.sleep(0)
+        return x, device()
+
+
+async def _body(x: int) -> tuple[int, str | None]:
+    await asyncio.sleep(0)
+    return x, device()
+
+
+def _plain_wrapper(func: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return func(*args, **kwargs)
+
+    return wrapper
+
+
+class _LazyAwaitable:
+    """Not a coroutine: an object whose work runs when it is awaited."""
+
+    def __await__(self) -> Generator[Any, None, tuple[int, str | None]]:
+        return _body(5).__await__()
+
+
+ASYNC_CASES: dict[str, Callable[[], Callable[..., Any]]] = {
+    "async __call__": AsyncCallable,
+    "functools.wraps wrapper": lambda: _plain_wrapper(_body),
+    "torch.no_grad() over async def": lambda: torch.no_grad()(_body),
+    "functools.partial": lambda: functools.partial(_body),
+    "sync def returning an awaitable": lambda: lambda x: _LazyAwaitable(),
+}
+
+
+@pytest.mark.parametrize("case", list(ASYNC_CASES))
+def test_decorator_scopes_the_awaited_body_of_any_async_callable(case: str) -> None:
+    save = export_placement("cpu")(ASYNC_CASES[case]())
+
+    async def main() -> list[tuple[int, str | None] | str | None]:
+        # Also as concurrent tasks: each awaits its own body under the policy.
+        results = await asyncio.gather(save(5), asyncio.ensure_future(save(5)))
+        return [*results, device()]
+
+    assert asyncio.run(main()) == [(5, "cpu"), (5, "cpu"), None]
+    assert current_placement() is None
+
+
+def test_task_returned_by_a_decorated_call_is_returned_as_is() -> None:
+    async def main() -> None:
+        created: list[asyncio.Task[tuple[int, str | None]]] = []
+
+        @export_placement("cpu")
+        def start() -> asyncio.Task[tuple[int, str | None]]:
+            created.append(asyncio.ensure_future(_body(7)))  # copies the context: under "cpu"
+            return created[-1]
+
+        task = start()
+        assert task is created[0]
+        assert await task == (7, "cpu")
+        assert device() is None
+
+    asyncio.run(main())
+
+
+def test_decorated_coroutine_function_stays_one() -> None:
+    @export_placement("cpu")
+    async def save() -> None: ...
+
+    assert inspect.iscoroutinefunction(save)
+
+
+class _Methods:
+    @export_placement("cpu")
+    @staticmethod
+    def static(x: int) -> tuple[int, str | None]:
+        return x, device()
+
+    @export_placement("cpu")
+    @classmethod
+    def klass(cls, x: int) -> tuple[type, int, str | None]:
+        return cls, x, device()
+
+    @export_placement("cpu")
+    @staticmethod
+    async def static_async(x: int) -> tuple[int, str | None]:
+        return await _body(x)
+
+
+def test_decorator_over_staticmethod_and_classmethod() -> None:
+    for owner in (_Methods, _Methods()):
+        assert owner.static(1) == (1, "cpu")
+        assert owner.klass(2) == (_Methods, 2, "cpu")
+        assert asyncio.run(owner.static_async(3)) == (3, "cpu")
+    assert current_placement() is None
+
+
+def test_decorating_a_class_is_refused() -> None:
+    class Checkpointer:
+        def save(self) -> None: ...
+
+    with pytest.raises(TypeError, match=r"class .*Checkpointer.*decorate the methods"):
+        export_placement("cpu")(Checkpointer)
+
+
+def test_decorating_a_non_callable_is_refused() -> None:
+    with pytest.raises(TypeError, match="decorates functions"):
+        export_placement("cpu")(property(lambda self: 1))  # type: ignore[type-var]
+
+
+def test_generator_returned_through_a_wrapper_is_refused_and_closed() -> None:
+    made: list[Generator[int, None, None]] = []
+
+    def gen() -> Generator[int, None, None]:
+        yield 1
+
+    def wrapper() -> Generator[int, None, None]:
+        made.append(gen())
+        return made[-1]
+
+    save = export_placement("cpu")(wrapper)
+    with pytest.raises(TypeError, match=r"returned a generator.*before the next `yield`"):
+        save()
+    assert inspect.getgeneratorstate(made[0]) == inspect.GEN_CLOSED
+    assert current_placement() is None
+
+
+def test_async_generator_returned_through_a_wrapper_is_refused() -> None:
+    async def agen() -> AsyncIterator[int]:
+        yield 1
+
+    for func in (_plain_wrapper(agen), torch.no_grad()(agen)):
+        save = export_placement("cpu")(func)
+        with pytest.raises(TypeError, match="returned an async generator"):
+            save()
+    assert current_placement() is None
+
+
+def test_generator_behind_torch_no_grad_is_refused() -> None:
+    @torch.no_grad()
+    def gen() -> Iterator[int]:
         yield 1
 
     with pytest.raises(TypeError, match="generator"):
@@ -227,6 +417,43 @@ def test_invalid_device_names_valid_values(bad: object) -> None:
 def test_invalid_conversion_names_valid_values(bad: object) -> None:
     with pytest.raises(ValueError, match=r"valid values are 'host'.*'device'"):
         export_placement("cpu", conversion=bad)  # type: ignore[arg-type]
+
+
+def test_bare_decorator_says_to_add_parentheses() -> None:
+    with pytest.raises(TypeError, match=r'@export_placement\("cpu"\)'):
+
+        @export_placement  # type: ignore[arg-type]
+        def save() -> None: ...
+
+    with pytest.raises(TypeError, match=r'@export_placement\("cpu"\)'):
+
+        class Owner:
+            @export_placement  # type: ignore[arg-type]
+            @staticmethod
+            def save() -> None: ...
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"conversion": "nonsense"},
+        {"conversion": "host"},
+        {"reuse_buffers": True},
+        {"rollback": False},
+    ],
+)
+def test_options_next_to_a_placement_are_refused(options: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match=r"either one Placement.*or a device and options"):
+        export_placement(Placement(device="cpu"), **options)  # type: ignore[arg-type]
+
+
+def test_left_out_options_take_placements_defaults() -> None:
+    assert export_placement("cpu").placement == Placement(device="cpu")
+    assert export_placement(None, conversion="device").placement == Placement(
+        device=None, conversion="device"
+    )
+    given = Placement(device="cpu", conversion="device", reuse_buffers=True, rollback=False)
+    assert export_placement(given).placement is given
 
 
 def test_options_are_keyword_only() -> None:
