@@ -252,7 +252,10 @@ def initialize_states(optimizer: Any) -> bool:
     that has no state with a fake step (``_init_optim_state``): zero gradients for every
     parameter, then ``step()`` with its temporaries, all on the GPU. TE can build its states
     directly (``initialize_state``, TE 2.20.2 fused_adam.py L456-480, the call its own ``step``
-    makes at L630-634), and torch skips its fake step for an optimizer that has state.
+    makes at L630-634), and torch skips its fake step for an optimizer that has state. Each
+    group's ``"step"`` is counted as TE's step counts it (L571-587): a flattened
+    ``set_optimizer_state_dict`` loads only the group keys the live groups have, so without the
+    key the checkpoint's step count would be dropped.
 
     Returns:
         True if states were created; False (and nothing done) when the optimizer already has
@@ -262,9 +265,18 @@ def initialize_states(optimizer: Any) -> bool:
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if optimizer.state or any(p.grad is not None for p in params):
         return False
-    for param in params:
-        if not optimizer.state.get(param):
+    for group in optimizer.param_groups:
+        for param in group["params"]:
             optimizer.initialize_state(
                 param, bool(optimizer.store_param_remainders and param.dtype == torch.bfloat16)
             )
+        # TE L571-587: the counter of a step, also for an empty group.
+        if "step" in group:
+            group["step"] += 1
+        elif getattr(optimizer, "capturable", False):
+            # An empty group takes the device of TE's scratch buffer, made on "cuda" (L193).
+            device = group["params"][0].device if group["params"] else torch.device("cuda")
+            group["step"] = torch.tensor([1], dtype=torch.int, device=device)
+        else:
+            group["step"] = 1
     return True

@@ -246,6 +246,8 @@ def test_initialize_states_then_load_equals_torch_fake_step_then_load(
         # Unscaled storage: the same states; scaled ones differ only in their scales (TE's
         # initialize_state sets 1, a step of zeros sets 0), which every load resets (L452).
         assert_snapshot_equal(snapshot(ours), remap(snapshot(ref), pairs(ours, ref)))
+    # Each group counts the step as the fake step does, so a flattened load keeps the key.
+    assert [g["step"] for g in ours.param_groups] == [g["step"] for g in ref.param_groups]
     # torch then skips its fake step, and a second call does nothing.
     before = snapshot(ours)
     _init_optim_state(ours)
