@@ -160,7 +160,6 @@ class _Target:
             self.live = stored
         # Set up by the planner: the key in dcp.load's flattened state dict, how items are read.
         self.dcp_key = key
-        self.direct = False  # items are read into the live state itself
         self.remaining: int | None = None  # local elements still to arrive (None: not planned)
         self.buffer: torch.Tensor | None = None  # FP16/FP8: the host FP32 assembly buffer
         self.started = False
@@ -427,7 +426,7 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         self._open_bytes = 0
         self._warned_budget = False
         self._written = 0  # states complete in the live optimizer
-        #: Host bytes of FP16/FP8 assembly (and odd-dtype) buffers held at once, at most.
+        #: Host bytes of FP16/FP8 assembly buffers held at once, at most.
         self.peak_assembly_bytes = 0
         #: Why an adapter loaded through the template path instead (empty: none did).
         self.fallbacks: list[str] = []
@@ -550,14 +549,6 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
                 problems.append(
                     f"{key}: saved as {saved}, but this optimizer keeps floating-point states{hint}"
                 )
-            live = target.live
-            # Read straight into the live state where the copy converts as TE's load does:
-            # same dtype, any float into FP32 (== .float()), FP32 into BF16 (== .bfloat16()).
-            target.direct = live is not None and (
-                saved == live.dtype
-                or live.dtype == torch.float32
-                or (live.dtype == torch.bfloat16 and saved == torch.float32)
-            )
         if problems:
             raise ValueError(
                 f"cannot load the optimizer checkpoint: {'; '.join(problems[:8])}"
@@ -608,15 +599,15 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         with self._lock:
             try:
                 self._start(target)
-                if target.direct:
-                    assert target.live is not None
+                if target.live is not None:
+                    # The reader copies the item into the live region; the copy converts as
+                    # TE's load does: any float into FP32 is .float(), into BF16 it is
+                    # .float().bfloat16() (c10 rounds through float, to nearest even).
                     return self.transform_tensor(read_item, target.live)
-                if target.whole:
-                    if target.buffer is None:
-                        target.buffer = self._allocate(target.local_shape)
-                    return self.transform_tensor(read_item, target.buffer)
-                return self._allocate(tuple(read_item.lengths))  # converted in commit_tensor
-            except BaseException as exc:
+                if target.buffer is None:
+                    target.buffer = self._allocate(target.local_shape)
+                return self.transform_tensor(read_item, target.buffer)
+            except Exception as exc:
                 raise self._failure(target, exc) from exc
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
@@ -626,20 +617,16 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
             return
         with self._lock:
             try:
-                if not target.direct and not target.whole:
-                    assert target.live is not None
-                    region = self.transform_tensor(read_item, target.live)
-                    region.copy_(tensor.to(target.live.dtype))  # TE: .float(), then .bfloat16()
-                    self._release(tensor)
                 assert target.remaining is not None
-                target.remaining -= math.prod(read_item.lengths)
-                if target.remaining == 0:
-                    if target.whole and target.buffer is not None:
-                        _write_state(target.optimizer, target.param, target.name, target.buffer)
-                        self._release(target.buffer)
-                        target.buffer = None
+                left = target.remaining - math.prod(read_item.lengths)
+                if left == 0 and target.buffer is not None:
+                    _write_state(target.optimizer, target.param, target.name, target.buffer)
+                    self._release(target.buffer)
+                    target.buffer = None
+                target.remaining = left  # a failed write above leaves the state "partly written"
+                if left == 0:
                     self._written += 1
-            except BaseException as exc:
+            except Exception as exc:
                 raise self._failure(target, exc) from exc
 
     def _start(self, target: _Target) -> None:
