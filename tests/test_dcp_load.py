@@ -354,6 +354,26 @@ def test_a_checkpoint_in_another_float_dtype_rounds_as_te_does(tmp_path: Path) -
     assert planner.peak_assembly_bytes == 0  # straight into the live BF16 states
 
 
+@pytest.mark.usefixtures("quiet")
+def test_the_benchmark_streaming_load_runs(tmp_path: Path) -> None:
+    """benchmarks/dcp_e2e.py's placement_cpu_streaming load, on the stand-in."""
+    from benchmarks.dcp_e2e import streaming_load
+
+    run = trained(torch.bfloat16, "remainder")
+    save(run, tmp_path)
+    ours, ref = (
+        trained(torch.bfloat16, "remainder", seed=5),
+        Run(None, torch.bfloat16, "remainder", 7),
+    )
+    load_template_path(ref, tmp_path)
+    with no_template(ours.opt):
+        report = streaming_load(ours.model, ours.opt, str(tmp_path))
+    assert_same_run(ours, ref, "benchmark load vs template path")
+    assert_same_run(ours, run, "benchmark load vs saved")
+    assert report["peak_assembly_bytes"] == 0 and report["fallbacks"] == []
+    assert report["versions"]["torch"] == torch.__version__
+
+
 # --- checks before any write --------------------------------------------------------------------
 class TamperedReader(FileSystemReader):
     """A checkpoint whose metadata lost the second saved chunk... of one state, by halving it."""
@@ -581,20 +601,7 @@ def check_round_trip(mesh: DeviceMesh, moments: torch.dtype, master: str, path: 
     template, te, ours = (Run(mesh, moments, master, seed=3) for _ in range(3))
     load_template_path(template, path)
     load_template_path(te, path, placement=None)
-    gpu = BACKEND.device == "cuda"
-    if gpu:
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
     planner = load_streaming(ours, path)
-    if gpu:
-        torch.cuda.synchronize()
-        extra = torch.cuda.max_memory_allocated() - base
-        if moments in WHOLE:
-            # FP16/FP8: TE's set_scaled_state moves the host FP32 state to the GPU to scale it.
-            assert extra <= 8 * ours.largest_state() + 2**20, f"{where}: {extra} GPU bytes"
-        else:
-            assert extra == 0, f"{where}: {extra} extra GPU bytes"
     assert_same_run(ours, template, f"{where}: streaming vs template path")
     assert_same_run(ours, te, f"{where}: streaming vs TE's load")
     exact = moments not in WHOLE
@@ -602,6 +609,21 @@ def check_round_trip(mesh: DeviceMesh, moments: torch.dtype, master: str, path: 
         assert_same_run(ours, run, f"{where}: streaming vs saved")
     largest, _ = whole_state_elements(ours)
     assert planner.peak_assembly_bytes == 4 * largest, where
+    if BACKEND.device == "cuda":
+        # Into the live states of an optimizer that has them (the first load gave them to the
+        # fresh one), as when resuming in a running job: GPU bytes beyond the states.
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        load_streaming(ours, path)
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - base
+        if moments in WHOLE:
+            # FP16/FP8: TE's set_scaled_state moves the host FP32 state to the GPU to scale it.
+            assert extra <= 8 * ours.largest_state() + 2**20, f"{where}: {extra} GPU bytes"
+        else:
+            assert extra == 0, f"{where}: {extra} extra GPU bytes"
+        assert_same_run(ours, te, f"{where}: second streaming load vs TE's load")
     reference = run if exact else te
     for r in {id(r): r for r in (ours, reference)}.values():
         r.train(3, seed=5)

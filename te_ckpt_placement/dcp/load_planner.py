@@ -437,30 +437,33 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
     def template_for(self, state: PlacedOptimizerState) -> dict[str, Any] | None:
         """The streaming template of ``state``, or None (warned) for the template path."""
         pairs = [(model, optim) for model, optims in state._pairs for optim in optims]
+        template = _StreamingTemplate()
+        loads = []
         try:
             infos = [_check_streamable(model, optim, state.options) for model, optim in pairs]
+            for (model, optim), info in zip(pairs, infos, strict=True):
+                # On a fresh optimizer this gives it TE's initial states (what the template
+                # path's fake step would leave) before any check of its shards can refuse it.
+                part, load = _build_load(self, state, model, optim, info)
+                overlap = template.keys() & part.keys()
+                if overlap:
+                    raise ValueError(
+                        f"model parts export the same keys {sorted(overlap)[:3]}: give each "
+                        "part distinct parameter names"
+                    )
+                template.update(part)
+                loads.append(load)
         except _CannotStreamError as exc:
             reason = str(exc)
             self.fallbacks.append(reason)
             warnings.warn(
                 f"StreamingLoadPlanner cannot stream this optimizer: {reason}. It loads through "
-                "the template path (a full host FP32 template under the policy) instead",
+                "the template path instead (the adapter's state_dict() as the template, then "
+                "set_optimizer_state_dict, under the adapter's placement)",
                 StreamingLoadWarning,
                 stacklevel=3,
             )
             return None
-        template = _StreamingTemplate()
-        loads = []
-        for (model, optim), info in zip(pairs, infos, strict=True):
-            part, load = _build_load(self, state, model, optim, info)
-            overlap = template.keys() & part.keys()
-            if overlap:
-                raise ValueError(
-                    f"model parts export the same keys {sorted(overlap)[:3]}: give each part "
-                    "distinct parameter names"
-                )
-            template.update(part)
-            loads.append(load)
         template.planner, template.state, template.loads = self, state, loads
         self._loads.extend(loads)
         return template
