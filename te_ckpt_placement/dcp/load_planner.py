@@ -700,5 +700,4 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
                 param = load.info.fqn_param_mapping[fqn]
                 states = load.live_states.get(id(param))
                 optimizer.state[param] = states if states is not None else {}
-        if getattr(template.state, "_unfinished_load", None) is self:
-            template.state._unfinished_load = None
+        template.state._unfinished_load = None  # a complete load wrote every state

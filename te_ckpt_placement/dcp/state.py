@@ -182,10 +182,10 @@ class PlacedOptimizerState(Stateful):
         if is_streaming_template(state_dict):
             finish_streaming_load(state_dict)
             return
-        self._unfinished_load = None
         # Each part picks its own keys from the merged dict (as torchtitan's container does).
         self._each(
             lambda model, optims: set_optimizer_state_dict(
                 model, optims, optim_state_dict=state_dict, options=self.options
             )
         )
+        self._unfinished_load = None  # a complete load wrote every state
