@@ -54,7 +54,7 @@ pytestmark = pytest.mark.usefixtures("hooked_standin")
 
 WORLD = 2
 MOMENTS = (torch.float32, torch.bfloat16, torch.float16, torch.uint8)
-MASTERS = ("none", "fp32", "remainder")
+MASTERS = ("none", "fp32", "fp16", "remainder")
 WHOLE = (torch.float16, torch.uint8)  # scaled by the absmax of the whole state
 
 

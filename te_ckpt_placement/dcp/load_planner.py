@@ -425,7 +425,6 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         self._targets: dict[str, _Target] = {}
         self._open_bytes = 0
         self._warned_budget = False
-        self._written = 0  # states complete in the live optimizer
         #: Host bytes of FP16/FP8 assembly buffers held at once, at most.
         self.peak_assembly_bytes = 0
         #: Why an adapter loaded through the template path instead (empty: none did).
@@ -587,12 +586,13 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
                     f"{key}: the checkpoint's pieces cover {covered[key]} of the {target.numel} "
                     "local elements"
                 )
-            target.remaining = target.numel
         if problems:
             raise ValueError(
                 f"cannot load the optimizer checkpoint: {'; '.join(problems[:8])}. No state was "
                 "written."
             )
+        for target in self._targets.values():
+            target.remaining = target.numel
 
     # --- reading --------------------------------------------------------------------------
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
@@ -627,8 +627,6 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
                     self._release(target.buffer)
                     target.buffer = None
                 target.remaining = left  # a failed write above leaves the state "partly written"
-                if left == 0:
-                    self._written += 1
             except Exception as exc:
                 raise self._failure(target, exc) from exc
 
@@ -663,10 +661,11 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
     def progress(self) -> str:
         """How far the load got: states complete, partly written, not started."""
         targets = list(self._targets.values()) or [t for ld in self._loads for t in ld.targets]
+        loaded = sum(1 for t in targets if t.remaining == 0)
         partly = sum(1 for t in targets if t.started and t.remaining != 0)
         return (
-            f"{self._written} of {len(targets)} optimizer states loaded, {partly} partly written, "
-            f"{len(targets) - self._written - partly} not started"
+            f"{loaded} of {len(targets)} optimizer states loaded, {partly} partly written, "
+            f"{len(targets) - loaded - partly} not started"
         )
 
     def _failure(self, target: _Target, exc: BaseException) -> RuntimeError:
