@@ -9,7 +9,7 @@
    local elements per rank, M = 8.4 M), BF16 moments with int16 master remainders. The streaming
    load equals TE's DCP load bit for bit (and the saved state), adds 0 GPU bytes and at most
    1 GiB + 4 M host bytes (RSS peak), where the template path's host template alone is 10 B per
-   local element (1.34 GB). With ``TE_CKPT_RESULTS=FILE`` the measured bytes go to FILE.
+   local element (1.34 GB). With ``TE_CKPT_LOAD_RESULTS=FILE`` the measured bytes go to FILE.
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def test_streaming_load_bounds_on_two_gpus(tmp_path: Path) -> None:
 
     from .test_dcp_load import free_port
 
-    results = os.environ.get("TE_CKPT_RESULTS")
+    results = os.environ.get("TE_CKPT_LOAD_RESULTS")
     mp.spawn(_bounds_worker, args=(free_port(), str(tmp_path), results), nprocs=WORLD, join=True)
     if results:
         from benchmarks.export_memory import machine
