@@ -16,6 +16,9 @@ For each operation it compares the path users run today with the policy:
 - ``dcp_load``: the usual template (``get_optimizer_state_dict``), ``dcp.load``, then
   ``set_model_state_dict`` + ``set_optimizer_state_dict``; ``te_default`` without a policy (TE's
   load casts every state onto the GPU at once), ``placement_cpu`` inside the policy.
+  ``placement_cpu_streaming`` has no template: ``dcp.load`` of a ``PlacedOptimizerState`` with
+  ``planner=StreamingLoadPlanner(state)`` reads every item straight into the live states
+  (:func:`streaming_load`).
 
 Every checkpoint is read back and compared bit for bit with an export first checked against
 TE's own ``get_unscaled_state``, and every load must leave the optimizer exactly as it was when
@@ -59,7 +62,9 @@ MODES = {
     "dcp_save": ("te_default", "placement_cpu"),
     "full_state_dict": ("te_default", "placement_cpu"),
     "dcp_async_save": ("te_default", "placement_cpu", "placement_cpu_passthrough_stager"),
-    "dcp_load": ("te_default", "placement_cpu"),
+    # placement_cpu_streaming before placement_cpu: its host peak is measured from a heap that
+    # has not just held the template path's host template.
+    "dcp_load": ("te_default", "placement_cpu_streaming", "placement_cpu"),
 }
 # (layers, hidden): bf16 Linear(hidden, hidden) layers without bias, fully_shard'ed per layer.
 SIZES = {"small": (4, 4096), "default": (16, 8192), "large": (32, 8192)}
@@ -227,6 +232,29 @@ def counting_pass_through() -> Any:
             return staged
 
     return Counting()
+
+
+def streaming_load(model: Any, opt: Any, path: str) -> dict[str, Any]:
+    """The ``placement_cpu_streaming`` load of the model and optimizer at ``path``.
+
+    Returns what the planner reports (assembly buffers, fallbacks) and the versions it ran on.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from te_ckpt_placement.dcp import PlacedOptimizerState, StreamingLoadPlanner
+    from te_ckpt_placement.te_contract import te_version
+
+    adapter = PlacedOptimizerState(model, opt)
+    state = {"model": get_model_state_dict(model), "optim": adapter}
+    planner = StreamingLoadPlanner(adapter)
+    dcp.load(state, checkpoint_id=path, planner=planner)
+    set_model_state_dict(model, state["model"])
+    return {
+        "peak_assembly_bytes": planner.peak_assembly_bytes,
+        "fallbacks": planner.fallbacks,
+        "versions": {"torch": torch.__version__, "transformer_engine": te_version()},
+    }
 
 
 def wait(response: Any) -> None:
@@ -405,19 +433,25 @@ def run_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
             train_step(model, opt, hidden)  # the load has to undo this step
             assert fingerprint(model, opt).keys() == before.keys()
             result = {}
+            extra = {}
             with _measured(result):
-                policy = (
-                    export_placement("cpu") if mode == "placement_cpu" else contextlib.nullcontext()
-                )
-                with policy:
-                    state = {
-                        "model": get_model_state_dict(model),
-                        "optim": get_optimizer_state_dict(model, opt, options=placed),
-                    }
-                    dcp.load(state, checkpoint_id=path)
-                    set_model_state_dict(model, state["model"])
-                    set_optimizer_state_dict(model, opt, state["optim"], options=placed)
-                del state
+                if mode == "placement_cpu_streaming":
+                    extra = streaming_load(model, opt, path)
+                else:
+                    policy = (
+                        export_placement("cpu")
+                        if mode == "placement_cpu"
+                        else contextlib.nullcontext()
+                    )
+                    with policy:
+                        state = {
+                            "model": get_model_state_dict(model),
+                            "optim": get_optimizer_state_dict(model, opt, options=placed),
+                        }
+                        dcp.load(state, checkpoint_id=path)
+                        set_model_state_dict(model, state["model"])
+                        set_optimizer_state_dict(model, opt, state["optim"], options=placed)
+                    del state
             loaded[mode] = fingerprint(model, opt)
             # BF16/FP32 states load back exactly as saved. FP16/FP8 ones are rescaled by TE's
             # own load, so for them the policy's load must equal TE's load instead.
@@ -426,7 +460,7 @@ def run_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
                 got = loaded[mode][key]
                 same = torch.equal(got, value) if isinstance(value, torch.Tensor) else got == value
                 assert same, f"dcp_load {mode}: {key} differs from the expected state"
-            keep("dcp_load", mode, result)
+            keep("dcp_load", mode, result, **extra)
         cleanup(path)
 
     if "full_state_dict" in ops:

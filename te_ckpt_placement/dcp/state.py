@@ -5,6 +5,7 @@ Uses only APIs that torch 2.11 (the GPU machine's version) and 2.13 share.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ..policy import Placement, as_placement, export_placement
+from .load_planner import StreamingLoadWarning, finish_streaming_load, is_streaming_template
 
 __all__ = ["PlacedOptimizerState"]
 
@@ -131,12 +133,33 @@ class PlacedOptimizerState(Stateful):
         with export_placement(self.placement):
             return [fn(model, optims) for model, optims in self._pairs]
 
+    # Set by a StreamingLoadPlanner (load_planner.py): the planner whose template the next
+    # state_dict() returns, and the planner of a streaming load that wrote states but never
+    # finished (dcp.load raised part-way).
+    _load_planner: Any = None
+    _unfinished_load: Any = None
+
     def state_dict(self) -> StateDict:
         """The flattened optimizer state dict, exported under the policy.
+
+        After ``StreamingLoadPlanner(self)`` was made, the next call returns that planner's
+        streaming template instead (entries without data, for ``dcp.load``).
 
         Raises:
             ValueError: two model parts export the same key (their FQNs overlap).
         """
+        planner, self._load_planner = self._load_planner, None
+        if planner is not None:
+            template = planner.template_for(self)
+            if template is not None:
+                return template  # else: the planner warned, the template path loads
+        elif self._unfinished_load is not None:
+            warnings.warn(
+                "the last streaming load of this optimizer stopped part-way "
+                f"({self._unfinished_load.progress}): it mixes checkpoint and previous values",
+                StreamingLoadWarning,
+                stacklevel=2,
+            )
         merged: StateDict = {}
         for part in self._each(
             lambda model, optims: get_optimizer_state_dict(model, optims, options=self.options)
@@ -151,10 +174,18 @@ class PlacedOptimizerState(Stateful):
         return merged
 
     def load_state_dict(self, state_dict: StateDict) -> None:
-        """Loads a flattened optimizer state dict into every optimizer, under the policy."""
+        """Loads a flattened optimizer state dict into every optimizer, under the policy.
+
+        A streaming template (see :class:`StreamingLoadPlanner`) already holds its states in
+        the optimizers: this loads its ``param_groups``.
+        """
+        if is_streaming_template(state_dict):
+            finish_streaming_load(state_dict)
+            return
         # Each part picks its own keys from the merged dict (as torchtitan's container does).
         self._each(
             lambda model, optims: set_optimizer_state_dict(
                 model, optims, optim_state_dict=state_dict, options=self.options
             )
         )
+        self._unfinished_load = None  # a complete load wrote every state

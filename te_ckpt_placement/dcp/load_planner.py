@@ -1,0 +1,702 @@
+"""``StreamingLoadPlanner``: ``dcp.load`` of TE FusedAdam state without an FP32 template.
+
+``dcp.load`` reads a checkpoint into a template. For an optimizer that template is
+``get_optimizer_state_dict(...)``: one FP32 (or int16) tensor per state, all alive at once, which
+``set_optimizer_state_dict`` then converts into the live states. This planner reads every
+checkpoint item of a TE FusedAdam state straight into the live state instead, through the
+``LoadPlanner`` extension points DCP documents (``resolve_tensor`` hands the reader the tensor to
+fill, ``commit_tensor`` says it was filled):
+
+- BF16, FP32 and int16 (master remainder) states are elementwise: an item is copied into the
+  region of the live state it covers as it arrives (to a GPU state: one host-to-device copy; an
+  FP32 item for a BF16 state is rounded to nearest even on the host by that copy, as TE's load
+  does with ``.bfloat16()``);
+- FP16 and FP8 states are scaled by the absmax of the whole local state, so their items are
+  assembled in a host FP32 buffer of the local state, written through TE's ``set_scaled_state``
+  (the one per-state write, :func:`_write_state`) when the last item has arrived, and freed.
+
+The template that ``dcp.load`` sees holds, for each state, a :class:`_Target` that describes the
+state's local chunk (what ``DTensor.__create_chunk_list__`` would say) without any data, and the
+optimizer's ``param_groups`` entries as torch's flattened export holds them. Keys and FQNs follow
+``get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)`` (torch's ``_get_fqns``), and
+``param_groups`` are loaded through torch's own ``_unflatten_optim_state_dict`` and
+``Optimizer.load_state_dict``, so the result equals ``set_optimizer_state_dict``'s.
+
+Uses only APIs that torch 2.11 (the GPU machine's version) and 2.13 share; the private helpers of
+``torch.distributed.checkpoint`` it imports (``_get_fqns``, ``_verify_options``,
+``_unflatten_optim_state_dict``, ``_create_chunk_from_dtensor``, ``_create_chunk_from_tensor``)
+have the same code in both.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
+from torch.distributed.checkpoint.planner_helpers import (
+    _create_chunk_from_dtensor,
+    _create_chunk_from_tensor,
+    _init_state_dict,
+)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    _get_fqns,
+    _unflatten_optim_state_dict,
+    _verify_options,
+)
+from torch.distributed.tensor import DTensor
+
+from .. import te_load
+from ..te_contract import (
+    STATE_NAMES,
+    ContractError,
+    check_contract,
+    is_remainder,
+    local_of,
+    raw_storage,
+    stored_dtype,
+)
+
+if TYPE_CHECKING:
+    from .state import PlacedOptimizerState
+
+__all__ = ["StreamingLoadPlanner", "StreamingLoadWarning"]
+
+# TE FusedAdam storage dtypes scaled by the absmax of the whole state (``_apply_scale``, TE
+# 2.20.2 fused_adam.py L268-308); ``torch.uint8`` is FP8. Every other state is elementwise.
+WHOLE_STATE_DTYPES = (torch.float16, torch.uint8)
+FP32_BYTES = 4
+
+
+class StreamingLoadWarning(UserWarning):
+    """A streaming load fell back to the template path, or went over its assembly budget."""
+
+
+class _CannotStreamError(Exception):
+    """The planner cannot serve this optimizer: the template path loads it (with a warning)."""
+
+
+def _write_state(optimizer: Any, param: torch.Tensor, name: str, value: torch.Tensor) -> None:
+    """Writes one whole FP32 state into the live one, as TE's ``load_state_dict`` does.
+
+    The only per-state write of this module (FP16 and FP8 states). ``value`` is the planner's
+    own host buffer: TE may scale it in place.
+    """
+    te_load._load_one(optimizer, param, name, value)
+
+
+class _Target:
+    """One live optimizer state as a ``dcp.load`` template entry: its chunk, and no data.
+
+    DCP plans the reads of a template entry from ``size()`` and ``__create_chunk_list__()``
+    (``create_default_local_load_plan``), as it does for a DTensor; the planner that made the
+    entry then serves the reads. Any other use (another planner, ``dcp.save``, a copy) fails.
+    """
+
+    def __init__(
+        self,
+        planner: StreamingLoadPlanner,
+        owner: PlacedOptimizerState,
+        optimizer: Any,
+        param: torch.Tensor,
+        name: str,
+        key: str,
+        live: Any,
+    ) -> None:
+        self.planner = planner
+        self.owner = owner  # the adapter whose template holds this entry
+        self.optimizer = optimizer
+        self.param = param
+        self.name = name
+        self.key = key  # the optimizer's flattened key, "state.<fqn>.<name>"
+        self.remainder = is_remainder(optimizer, param, name)
+        self.whole = optimizer.name_to_dtype_map[name] in WHOLE_STATE_DTYPES
+        self.global_size = torch.Size(param.size())
+        local_param = local_of(param)
+        self.chunk: ChunkStorageMetadata | None
+        if isinstance(param, DTensor):
+            # What DTensor.__create_chunk_list__ says for the export of this state (same mesh,
+            # placements and global shape); no chunk on a rank outside the parameter's mesh.
+            on_mesh = param.device_mesh.get_coordinate() is not None
+            self.chunk = _create_chunk_from_dtensor(param) if on_mesh else None
+        else:
+            self.chunk = _create_chunk_from_tensor(param)
+        shape = tuple(self.chunk.sizes) if self.chunk is not None else (0,)
+        if self.chunk is not None and shape != tuple(local_param.shape):
+            raise _CannotStreamError(
+                f"{key}: the local shard {tuple(local_param.shape)} is not DCP's chunk {shape}"
+            )
+        self.local_shape = shape
+        self.numel = math.prod(shape)
+        # Elementwise states are written in the live storage itself.
+        self.live: torch.Tensor | None = None
+        if not self.whole:
+            stored = raw_storage(optimizer, param, name, live)
+            expected = stored_dtype(optimizer, param, name)
+            if (
+                not isinstance(stored, torch.Tensor)
+                or stored.dtype != expected
+                or tuple(stored.shape) != tuple(local_param.shape)
+            ):
+                raise ValueError(
+                    f"cannot stream the optimizer checkpoint into {key}: the live state is "
+                    f"{_describe(stored)}, TE keeps {expected} of shape "
+                    f"{tuple(local_param.shape)}. No state was written."
+                )
+            self.live = stored
+        # Set up by the planner: the key in dcp.load's flattened state dict, how items are read.
+        self.dcp_key = key
+        self.remaining: int | None = None  # local elements still to arrive (None: not planned)
+        self.buffer: torch.Tensor | None = None  # FP16/FP8: the host FP32 assembly buffer
+        self.started = False
+
+    def size(self) -> torch.Size:
+        """The state's global shape, which DCP checks against the checkpoint's."""
+        return self.global_size
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        if not self.planner._planning:
+            raise RuntimeError(
+                f"{self.dcp_key} is a streaming-load template entry: load it with the "
+                "StreamingLoadPlanner that made it (dcp.load(..., planner=planner))"
+            )
+        return [] if self.chunk is None else [self.chunk]
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            f"{self.dcp_key} is a streaming-load template entry, which holds no data: it cannot "
+            "be saved, pickled or copied. A PlacedOptimizerState returns such entries from the "
+            "one state_dict() call after StreamingLoadPlanner(state) was made: make the planner "
+            "in the dcp.load call that uses it"
+        )
+
+    def __repr__(self) -> str:
+        return f"<streaming-load target {self.dcp_key} {tuple(self.global_size)}>"
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} of shape {tuple(value.shape)}"
+    return type(value).__name__
+
+
+@dataclass(eq=False)
+class _OptimizerLoad:
+    """One optimizer's part of a streaming template."""
+
+    model: torch.nn.Module
+    optimizer: Any
+    info: Any  # torch's _StateDictInfo: FQN <-> parameter mappings
+    targets: list[_Target]
+    live_states: dict[int, Any]  # id(param) -> the optimizer's state dict entry at planning
+
+
+class _StreamingTemplate(dict):  # type: ignore[type-arg]
+    """What ``PlacedOptimizerState.state_dict()`` returns for a streaming load."""
+
+    planner: StreamingLoadPlanner
+    state: PlacedOptimizerState
+    loads: list[_OptimizerLoad]
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            "a streaming-load template cannot be saved, pickled or copied: a PlacedOptimizerState "
+            "returns one from the state_dict() call after StreamingLoadPlanner(state) was made; "
+            "make the planner in the dcp.load call that uses it"
+        )
+
+
+def is_streaming_template(state_dict: Any) -> bool:
+    """True for what ``PlacedOptimizerState.state_dict()`` returned for a streaming load."""
+    return isinstance(state_dict, _StreamingTemplate)
+
+
+def finish_streaming_load(template: Any) -> None:
+    """Loads the ``param_groups`` once every state has streamed in (``load_state_dict``)."""
+    assert isinstance(template, _StreamingTemplate)
+    template.planner._finish(template)
+
+
+def _fqns_by_param(model: torch.nn.Module) -> dict[int, str]:
+    """FQN of each parameter, as ``get_optimizer_state_dict`` names them (torch's ``_get_fqns``)."""
+    out: dict[int, str] = {}
+    for key, param in model.named_parameters():
+        fqns = _get_fqns(model, key)
+        if len(fqns) != 1:
+            raise _CannotStreamError(f"parameter {key!r} has {len(fqns)} FQNs (an FSDP1 flat one)")
+        out[id(param)] = next(iter(fqns))
+    return out
+
+
+def _check_streamable(model: torch.nn.Module, optimizer: Any, options: StateDictOptions) -> Any:
+    """torch's state-dict info for ``(model, optimizer)``; ``_CannotStreamError`` says why not."""
+    try:
+        check_contract(optimizer)
+    except ContractError as exc:
+        raise _CannotStreamError(
+            f"{type(optimizer).__qualname__} does not keep TE FusedAdam's storage ({exc})"
+        ) from exc
+    info = _verify_options(model, (optimizer,), optim_only=True, options=options)
+    if info.fsdp_modules:
+        raise _CannotStreamError("the model is wrapped with FSDP1 (FullyShardedDataParallel)")
+    return info
+
+
+def _count_fake_step(optimizer: Any) -> None:
+    """The ``param_groups`` change of the fake step that ``initialize_states`` replaced.
+
+    On a fresh optimizer the template path runs one ``step()`` (torch's ``_init_optim_state``),
+    and TE's step adds ``group["step"]`` (TE 2.20.2 fused_adam.py L571-586). The flattened
+    template (and so the load) holds the keys of the live groups, so without it a fresh
+    optimizer would not read the checkpoint's step; the value is the fake step's and is
+    overwritten by the checkpoint's.
+    """
+    for group in optimizer.param_groups:
+        if "step" in group:
+            continue
+        if getattr(optimizer, "capturable", False):
+            params = group["params"]
+            device = params[0].device if params else None
+            group["step"] = torch.tensor([1], dtype=torch.int, device=device)
+        else:
+            group["step"] = 1
+
+
+def _build_load(
+    planner: StreamingLoadPlanner,
+    owner: PlacedOptimizerState,
+    model: torch.nn.Module,
+    optimizer: Any,
+    info: Any,
+) -> tuple[dict[str, Any], _OptimizerLoad]:
+    """The flattened template of one optimizer (``_get_optim_state_dict`` + flatten, unexported)."""
+    if te_load.initialize_states(optimizer):  # TE's initial states instead of DCP's fake step
+        _count_fake_step(optimizer)
+    in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    fqn_of = _fqns_by_param(model)
+
+    def fqn(param: torch.Tensor) -> str:
+        name = fqn_of.get(id(param))
+        if name is None or id(param) not in in_optimizer:
+            raise ValueError(
+                "cannot stream the optimizer checkpoint: the optimizer holds a parameter that is "
+                "not in model.named_parameters() (torch's get_optimizer_state_dict fails on it "
+                "too). No state was written."
+            )
+        return name
+
+    template: dict[str, Any] = {}
+    targets: list[_Target] = []
+    live_states: dict[int, Any] = {}
+    for param, states in optimizer.state.items():  # torch's state_dict order
+        name = fqn(param)
+        live_states[id(param)] = states
+        if not param.requires_grad:
+            continue  # torch's load drops these states (_unflatten_optim_state_dict)
+        for state_name, value in states.items():
+            key = f"state.{name}.{state_name}"
+            if state_name not in optimizer.name_to_dtype_map:
+                raise ValueError(
+                    f"cannot stream the optimizer checkpoint into {key}: TE FusedAdam keeps only "
+                    f"{', '.join(STATE_NAMES)}. No state was written."
+                )
+            if isinstance(value, DTensor) != isinstance(param, DTensor):
+                raise ValueError(
+                    f"cannot stream the optimizer checkpoint into {key}: the state is "
+                    f"{'' if isinstance(value, DTensor) else 'not '}a DTensor, the parameter "
+                    f"{'is' if isinstance(param, DTensor) else 'is not'}. No state was written."
+                )
+            target = _Target(planner, owner, optimizer, param, state_name, key, value)
+            template[key] = target
+            targets.append(target)
+    for group in optimizer.param_groups:  # _flatten_optim_state_dict's param_groups entries
+        for param in group["params"]:
+            name = fqn(param)
+            for k, v in group.items():
+                if k != "params":
+                    template[f"param_groups.{name}.{k}"] = v
+    return template, _OptimizerLoad(model, optimizer, info, targets, live_states)
+
+
+class StreamingLoadPlanner(DefaultLoadPlanner):
+    """A ``dcp.load`` planner that streams TE FusedAdam states into the live optimizer.
+
+    Give it the :class:`~te_ckpt_placement.dcp.PlacedOptimizerState` adapters of the state dict
+    that ``dcp.load`` loads. Making the planner arms each adapter: the adapter's next
+    ``state_dict()`` (the one ``dcp.load`` calls for its template) returns per-state entries that
+    hold no data instead of an FP32 export, and this planner reads each checkpoint item into the
+    live state: elementwise states (BF16, FP32, int16 remainders) in place as they arrive, FP16
+    and FP8 states through one host FP32 buffer of the local state each, written with TE's
+    ``set_scaled_state`` once complete. ``dcp.load`` then calls the adapter's
+    ``load_state_dict``, which loads the ``param_groups`` as ``set_optimizer_state_dict`` does.
+    Everything else in the state dict (model weights, other entries) loads as with
+    ``DefaultLoadPlanner``. The result equals the template path's (``state_dict()`` under the
+    policy, then ``set_optimizer_state_dict``), with no template: see docs/dcp-load.md.
+
+    Make the planner in the ``dcp.load`` call that uses it (it is single-use, like the template
+    it arms).
+
+    Before any state is written, every state is checked against the checkpoint's metadata (key,
+    global shape, dtype: int16 remainders for ``store_param_remainders=True``, floating point
+    otherwise, and that the saved pieces cover the local shard): a mismatch raises ``ValueError``
+    with no state written. A failure after writing began (an I/O error of the reader, an
+    allocation) leaves the states partly loaded and the ``param_groups`` as they were;
+    :attr:`progress` then says how far it got, and loading again (a complete load writes every
+    state) repairs it.
+
+    Where it cannot stream an adapter's optimizers (not TE FusedAdam's storage contract, or an
+    FSDP1 model), it warns (:class:`StreamingLoadWarning`) and that adapter loads through the
+    template path.
+
+    Args:
+        *states: The ``PlacedOptimizerState`` adapters to stream (each must be in the state dict
+            given to ``dcp.load``).
+        max_assembly_bytes: Host bytes of FP16/FP8 assembly buffers held at once before the
+            planner warns (:class:`StreamingLoadWarning`); ``None`` (default): one FP32 local
+            state of the largest FP16/FP8 state, which is what a load at the saved sharding
+            needs. Loading on a different world size can need more (the saved pieces of a state
+            sit in different files, and DCP reads file by file): the load then holds what it
+            must, warns once, and completes; the buffers never exceed the FP32 size of the FP16/
+            FP8 states (what their template would take).
+        allow_partial_load: As ``DefaultLoadPlanner``'s, for entries other than optimizer
+            states; a state missing from the checkpoint always raises.
+
+    Raises:
+        ValueError: no adapter, something else than a ``PlacedOptimizerState``, or a negative
+            ``max_assembly_bytes``.
+
+    Example:
+        >>> state = {"model": get_model_state_dict(model),
+        ...          "optim": PlacedOptimizerState(model, optimizer)}  # doctest: +SKIP
+        >>> dcp.load(state, checkpoint_id=path,
+        ...          planner=StreamingLoadPlanner(state["optim"]))  # doctest: +SKIP
+        >>> set_model_state_dict(model, state["model"])  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        *states: PlacedOptimizerState,
+        max_assembly_bytes: int | None = None,
+        allow_partial_load: bool = False,
+    ) -> None:
+        from .state import PlacedOptimizerState
+
+        if not states or not all(isinstance(s, PlacedOptimizerState) for s in states):
+            raise ValueError(
+                f"unsupported states {states!r}: valid values are one or more "
+                "te_ckpt_placement.dcp.PlacedOptimizerState adapters"
+            )
+        if len({id(s) for s in states}) != len(states):
+            raise ValueError("the same PlacedOptimizerState is given twice")
+        if max_assembly_bytes is not None and (
+            isinstance(max_assembly_bytes, bool)
+            or not isinstance(max_assembly_bytes, int)
+            or max_assembly_bytes < 0
+        ):
+            raise ValueError(
+                f"unsupported max_assembly_bytes {max_assembly_bytes!r}: valid values are None "
+                "(one FP32 state) or an int >= 0"
+            )
+        super().__init__(
+            flatten_state_dict=True,
+            flatten_sharded_tensors=True,
+            allow_partial_load=allow_partial_load,
+        )
+        self._states: tuple[PlacedOptimizerState, ...] = states
+        self._max_assembly_bytes = max_assembly_bytes
+        self._budget = 0
+        self._lock = threading.Lock()
+        self._planning = False
+        self._loads: list[_OptimizerLoad] = []
+        self._targets: dict[str, _Target] = {}
+        self._open_bytes = 0
+        self._warned_budget = False
+        #: Host bytes of FP16/FP8 assembly buffers held at once, at most.
+        self.peak_assembly_bytes = 0
+        #: Why an adapter loaded through the template path instead (empty: none did).
+        self.fallbacks: list[str] = []
+        for state in states:
+            state._load_planner = self
+
+    # --- the template (PlacedOptimizerState.state_dict) ------------------------------------
+    def template_for(self, state: PlacedOptimizerState) -> dict[str, Any] | None:
+        """The streaming template of ``state``, or None (warned) for the template path."""
+        pairs = [(model, optim) for model, optims in state._pairs for optim in optims]
+        template = _StreamingTemplate()
+        loads = []
+        try:
+            infos = [_check_streamable(model, optim, state.options) for model, optim in pairs]
+            for (model, optim), info in zip(pairs, infos, strict=True):
+                # On a fresh optimizer this gives it TE's initial states (what the template
+                # path's fake step would leave) before any check of its shards can refuse it.
+                part, load = _build_load(self, state, model, optim, info)
+                overlap = template.keys() & part.keys()
+                if overlap:
+                    raise ValueError(
+                        f"model parts export the same keys {sorted(overlap)[:3]}: give each "
+                        "part distinct parameter names"
+                    )
+                template.update(part)
+                loads.append(load)
+        except _CannotStreamError as exc:
+            reason = str(exc)
+            self.fallbacks.append(reason)
+            warnings.warn(
+                f"StreamingLoadPlanner cannot stream this optimizer: {reason}. It loads through "
+                "the template path instead (the adapter's state_dict() as the template, then "
+                "set_optimizer_state_dict, under the adapter's placement)",
+                StreamingLoadWarning,
+                stacklevel=3,
+            )
+            return None
+        template.planner, template.state, template.loads = self, state, loads
+        self._loads.extend(loads)
+        return template
+
+    # --- planning -------------------------------------------------------------------------
+    def set_up_planner(
+        self,
+        state_dict: dict[str, Any],
+        metadata: Metadata | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        unused = [s for s in self._states if getattr(s, "_load_planner", None) is self]
+        for state in unused:
+            state._load_planner = None
+        if unused:
+            raise ValueError(
+                "StreamingLoadPlanner: a PlacedOptimizerState it was made for is not in the state "
+                "dict given to dcp.load (dcp.load never asked it for its template). No state was "
+                "written."
+            )
+        self._planning = True
+        # DefaultLoadPlanner.set_up_planner, except that _init_state_dict (which materializes meta
+        # tensors, and replaces in place every value that is not a tensor, number, string,
+        # container or None with None) does not see the streaming templates.
+        for key, value in state_dict.items():
+            if not isinstance(value, _StreamingTemplate):
+                holder = {key: value}
+                _init_state_dict(holder)
+                state_dict[key] = holder[key]
+        self.original_state_dict = state_dict
+        if self.flatten_sharded_tensors:
+            state_dict = _flatten_sharded_tensors(state_dict)
+        self.state_dict, self.mappings = flatten_state_dict(state_dict)
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
+        self._targets = {}
+        for key, value in self.state_dict.items():
+            if isinstance(value, _Target):
+                if value.planner is not self:
+                    raise ValueError(
+                        f"{key} belongs to the template of another StreamingLoadPlanner. No "
+                        "state was written."
+                    )
+                value.dcp_key = key
+                self._targets[key] = value
+        expected = {id(t) for load in self._loads for t in load.targets}
+        if {id(t) for t in self._targets.values()} != expected:
+            raise ValueError(
+                "StreamingLoadPlanner: the state dict given to dcp.load does not hold its "
+                "adapters' templates as the adapters returned them. No state was written."
+            )
+        if metadata is not None:
+            self._validate(metadata)
+        whole = [t.numel for t in self._targets.values() if t.whole]
+        default = FP32_BYTES * max(whole, default=0)
+        self._budget = default if self._max_assembly_bytes is None else self._max_assembly_bytes
+
+    def _validate(self, metadata: Metadata) -> None:
+        """Every state against the checkpoint's metadata, before any read."""
+        problems = []
+        for key, target in self._targets.items():
+            md = metadata.state_dict_metadata.get(key)
+            if md is None:
+                problems.append(f"{key}: not in the checkpoint")
+                continue
+            if not isinstance(md, TensorStorageMetadata):
+                problems.append(f"{key}: saved as a non-tensor value")
+                continue
+            if md.size != target.global_size:
+                problems.append(
+                    f"{key}: saved with shape {tuple(md.size)}, the parameter has "
+                    f"{tuple(target.global_size)}"
+                )
+            saved = md.properties.dtype
+            if target.remainder and saved != torch.int16:
+                problems.append(
+                    f"{key}: saved as {saved}, but this optimizer keeps int16 master remainders "
+                    "(store_param_remainders=True); load with the setting it was saved with"
+                )
+            elif not target.remainder and not saved.is_floating_point:
+                hint = (
+                    " (an int16 master_param comes from store_param_remainders=True)"
+                    if saved == torch.int16
+                    else ""
+                )
+                problems.append(
+                    f"{key}: saved as {saved}, but this optimizer keeps floating-point states{hint}"
+                )
+        if problems:
+            raise ValueError(
+                f"cannot load the optimizer checkpoint: {'; '.join(problems[:8])}"
+                + (f" (and {len(problems) - 8} more)" if len(problems) > 8 else "")
+                + ". No state was written."
+            )
+
+    def create_local_plan(self) -> LoadPlan:
+        plan = super().create_local_plan()
+        self._plan_reads(plan.items)
+        return plan
+
+    def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
+        plan = super().finish_plan(new_plan)
+        self._plan_reads(plan.items)
+        self._planning = False
+        return plan
+
+    def _plan_reads(self, items: Sequence[ReadItem]) -> None:
+        """Checks that the reads cover every local element of every state exactly once."""
+        covered = dict.fromkeys(self._targets, 0)
+        problems = []
+        for item in items:
+            target = self._targets.get(item.dest_index.fqn)
+            if target is None:
+                continue
+            if target.chunk is None or item.dest_index.offset != target.chunk.offsets:
+                problems.append(f"{target.dcp_key}: a read for another chunk")
+            covered[target.dcp_key] += math.prod(item.lengths)
+        for key, target in self._targets.items():
+            if covered[key] != target.numel:
+                problems.append(
+                    f"{key}: the checkpoint's pieces cover {covered[key]} of the {target.numel} "
+                    "local elements"
+                )
+        if problems:
+            raise ValueError(
+                f"cannot load the optimizer checkpoint: {'; '.join(problems[:8])}. No state was "
+                "written."
+            )
+        for target in self._targets.values():
+            target.remaining = target.numel
+
+    # --- reading --------------------------------------------------------------------------
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        target = self._targets.get(read_item.dest_index.fqn)
+        if target is None:
+            return super().resolve_tensor(read_item)
+        with self._lock:
+            try:
+                self._start(target)
+                if target.live is not None:
+                    # The reader copies the item into the live region; the copy converts as
+                    # TE's load does: any float into FP32 is .float(), into BF16 it is
+                    # .float().bfloat16() (c10 rounds through float, to nearest even).
+                    return self.transform_tensor(read_item, target.live)
+                if target.buffer is None:
+                    target.buffer = self._allocate(target.local_shape)
+                return self.transform_tensor(read_item, target.buffer)
+            except Exception as exc:
+                raise self._failure(target, exc) from exc
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        target = self._targets.get(read_item.dest_index.fqn)
+        if target is None:
+            super().commit_tensor(read_item, tensor)
+            return
+        with self._lock:
+            try:
+                assert target.remaining is not None
+                left = target.remaining - math.prod(read_item.lengths)
+                if left == 0 and target.buffer is not None:
+                    _write_state(target.optimizer, target.param, target.name, target.buffer)
+                    self._release(target.buffer)
+                    target.buffer = None
+                target.remaining = left  # a failed write above leaves the state "partly written"
+            except Exception as exc:
+                raise self._failure(target, exc) from exc
+
+    def _start(self, target: _Target) -> None:
+        if not target.started:
+            target.started = True
+            target.owner._unfinished_load = self  # cleared when the load finishes
+
+    def _allocate(self, shape: tuple[int, ...]) -> torch.Tensor:
+        nbytes = FP32_BYTES * math.prod(shape)
+        if self._open_bytes + nbytes > self._budget and not self._warned_budget:
+            self._warned_budget = True
+            warnings.warn(
+                f"StreamingLoadPlanner holds {self._open_bytes + nbytes} bytes of FP32 assembly "
+                f"buffers, over max_assembly_bytes={self._budget}: the saved pieces of several "
+                "FP16/FP8 states arrive interleaved (a load on another world size reads file by "
+                "file). The load completes; these buffers are at most the FP32 size of the "
+                "FP16/FP8 states",
+                StreamingLoadWarning,
+                stacklevel=4,
+            )
+        buffer = torch.empty(shape, dtype=torch.float32)
+        self._open_bytes += nbytes
+        self.peak_assembly_bytes = max(self.peak_assembly_bytes, self._open_bytes)
+        return buffer
+
+    def _release(self, buffer: torch.Tensor) -> None:
+        self._open_bytes -= FP32_BYTES * buffer.numel()
+
+    # --- state ----------------------------------------------------------------------------
+    @property
+    def progress(self) -> str:
+        """How far the load got: states complete, partly written, not started."""
+        targets = list(self._targets.values()) or [t for ld in self._loads for t in ld.targets]
+        loaded = sum(1 for t in targets if t.remaining == 0)
+        partly = sum(1 for t in targets if t.started and t.remaining != 0)
+        return (
+            f"{loaded} of {len(targets)} optimizer states loaded, {partly} partly written, "
+            f"{len(targets) - loaded - partly} not started"
+        )
+
+    def _failure(self, target: _Target, exc: BaseException) -> RuntimeError:
+        return RuntimeError(
+            f"loading the optimizer checkpoint failed part-way, at {target.dcp_key} "
+            f"({type(exc).__name__}: {exc}). {self.progress}; the param_groups are the previous "
+            "ones. The optimizer mixes checkpoint and previous values: load the checkpoint "
+            "again (a complete load writes every state) or rebuild it before training"
+        )
+
+    def _finish(self, template: _StreamingTemplate) -> None:
+        """``param_groups`` as ``set_optimizer_state_dict`` loads them, then the live states."""
+        incomplete = [t.dcp_key for ld in template.loads for t in ld.targets if t.remaining != 0]
+        if incomplete:
+            raise RuntimeError(
+                f"StreamingLoadPlanner: dcp.load returned before {len(incomplete)} optimizer "
+                f"states were read ({incomplete[:3]}). {self.progress}; the param_groups are the "
+                "previous ones: load the checkpoint again"
+            )
+        for load in template.loads:
+            optimizer = load.optimizer
+            osd = _unflatten_optim_state_dict(optimizer, template, load.info)
+            # The method TE's load_state_dict calls as super() (fused_adam.py L519): the groups,
+            # hooks and torch's own checks; no states, so nothing is cast.
+            torch.optim.Optimizer.load_state_dict(
+                optimizer, {"state": {}, "param_groups": osd["param_groups"]}
+            )
+            # TE's load then gives every parameter of the checkpoint's "state" its states
+            # (L540): the live ones, which now hold the checkpoint's values.
+            for fqn in osd["state"]:
+                param = load.info.fqn_param_mapping[fqn]
+                states = load.live_states.get(id(param))
+                optimizer.state[param] = states if states is not None else {}
+        template.state._unfinished_load = None  # a complete load wrote every state
