@@ -256,26 +256,6 @@ def _check_streamable(model: torch.nn.Module, optimizer: Any, options: StateDict
     return info
 
 
-def _count_fake_step(optimizer: Any) -> None:
-    """The ``param_groups`` change of the fake step that ``initialize_states`` replaced.
-
-    On a fresh optimizer the template path runs one ``step()`` (torch's ``_init_optim_state``),
-    and TE's step adds ``group["step"]`` (TE 2.20.2 fused_adam.py L571-586). The flattened
-    template (and so the load) holds the keys of the live groups, so without it a fresh
-    optimizer would not read the checkpoint's step; the value is the fake step's and is
-    overwritten by the checkpoint's.
-    """
-    for group in optimizer.param_groups:
-        if "step" in group:
-            continue
-        if getattr(optimizer, "capturable", False):
-            params = group["params"]
-            device = params[0].device if params else None
-            group["step"] = torch.tensor([1], dtype=torch.int, device=device)
-        else:
-            group["step"] = 1
-
-
 def _build_load(
     planner: StreamingLoadPlanner,
     owner: PlacedOptimizerState,
@@ -284,8 +264,8 @@ def _build_load(
     info: Any,
 ) -> tuple[dict[str, Any], _OptimizerLoad]:
     """The flattened template of one optimizer (``_get_optim_state_dict`` + flatten, unexported)."""
-    if te_load.initialize_states(optimizer):  # TE's initial states instead of DCP's fake step
-        _count_fake_step(optimizer)
+    # TE's initial states (and each group's step count) instead of DCP's fake step.
+    te_load.initialize_states(optimizer)
     in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
     fqn_of = _fqns_by_param(model)
 
