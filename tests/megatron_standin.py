@@ -133,6 +133,7 @@ class Buffer:
     numel_unpadded: int
     param_index_map: dict[torch.Tensor, tuple[int, int, int]]
     data_parallel_group: Any
+    params: list[torch.Tensor] = field(default_factory=list)
     num_optimizer_shards: int | None = None
 
 
@@ -166,6 +167,7 @@ def lay_out(params: list[torch.Tensor], *, bucket_numel: int, dp_size: int, grou
         numel_unpadded=sum(e - o for o, e, _ in buckets),
         param_index_map=index_map,
         data_parallel_group=group,
+        params=list(params),
     )
 
 
