@@ -661,8 +661,11 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("megatron_ckpt needs CUDA GPUs, megatron-core 0.19.2 and Transformer Engine")
         return 2
+    # Deterministic kernels, so that two resumed runs can be compared bit for bit; torch.empty
+    # keeps its usual (unfilled) memory, as in training and for the timings.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
     _ensure_root_on_path()
     import torch.distributed as dist
 

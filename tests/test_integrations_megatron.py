@@ -4,6 +4,8 @@ Every check runs on ``tests/megatron_standin.py``'s optimizer, whose checkpoint 
 megatron-core 0.19.2's own (copied byte for byte), and again on Megatron's real
 ``DistributedOptimizer`` class wherever megatron-core imports (Python >= 3.12; the GPU machine).
 TE is the CPU stand-in of ``tests/standin.py``, hooked like TE's class.
+``TE_CKPT_REQUIRE_MEGATRON=1`` (the GPU session) turns a megatron-core that does not import into a
+failure instead of a skip.
 
 What they prove: placed, every parameter state Megatron reads for a checkpoint is a fresh host
 tensor with exactly the dtype and bits of TE's ``get_unscaled_state``, produced without calling
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import os
 import socket
 import subprocess
 import sys
@@ -64,7 +67,10 @@ def api(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Simp
         return ms.standin_api()
     real = _real_api()
     if real is None:
-        pytest.skip("megatron-core does not import here (it needs Python >= 3.12)")
+        reason = "megatron-core does not import here (it needs Python >= 3.12)"
+        if os.environ.get("TE_CKPT_REQUIRE_MEGATRON") == "1":  # the GPU session sets it
+            pytest.fail(reason)
+        pytest.skip(reason)
     # As they are where TE is installed (distrib_optimizer.py L19-33).
     monkeypatch.setattr(real.module, "HAVE_APEX_OR_TE", True)
     monkeypatch.setattr(real.module, "USING_TE_OPTIMIZER", True)
