@@ -1,0 +1,428 @@
+"""Megatron-Core: ``DistributedOptimizer`` checkpoints that stream through host memory.
+
+With ``--use-distributed-optimizer --use-precision-aware-optimizer --exp-avg-dtype bf16
+--exp-avg-sq-dtype bf16``, Megatron-Core keeps TE ``FusedAdam`` moments in 16 bits, but reads
+them for a checkpoint through TE's ``get_unscaled_state``, which makes a fresh FP32 GPU copy of
+every BF16/FP16/FP8 state. The ``dp_reshardable`` (torch_dist's default) and
+``fully_sharded_model_space`` paths keep all of those copies until the write: +8 bytes per local
+element on the GPU. :func:`place_optimizer` changes that for one optimizer instance, a
+``DistributedOptimizer`` or a ``ChainedOptimizer`` holding some (what ``get_megatron_optimizer``
+returns)::
+
+    optimizer = get_megatron_optimizer(config, model)
+    place_optimizer(optimizer)  # every checkpoint save and load of it now streams
+
+Its checkpoint methods (:data:`CHECKPOINT_METHODS`) then run inside ``export_placement``, and
+inside a streaming policy (references are megatron-core 0.19.2,
+``megatron/core/optimizer/distrib_optimizer.py``):
+
+- ``_get_main_param_and_optimizer_states`` (L1090-1117, the one reader of parameter state for
+  ``dp_reshardable``, ``fully_sharded_model_space``, ``dp_zero_gather_scatter`` and
+  ``fully_reshardable``, at save and for load templates) produces each state on the host, one at
+  a time, with exactly the dtype and bits of ``get_unscaled_state`` (L1108): FP32, or the int16
+  remainders of ``store_param_remainders`` masters. Megatron never passes ``skip_unscale``;
+- ``state_dict`` (L825-885) keeps only the param groups of its inner ``optimizer.state_dict()``
+  (L833, L866): they now come from torch's ``Optimizer.state_dict``, which TE's ``state_dict``
+  calls before converting the states that Megatron drops, so no state is exported at all;
+- ``load_state_dict`` (L887-1088) on an optimizer without state starts from TE's initial states
+  (``te_load.initialize_states``) instead of Megatron's dummy GPU states (L974-1020), which would
+  sit next to the states TE's load allocates; its round trip through TE's ``state_dict`` and
+  ``load_state_dict`` (L965, L1046) streams, as those do everywhere under the policy.
+
+Checkpoints stay byte-compatible with Megatron's own. TE's class is not touched and neither is its
+``get_unscaled_state``: TE's ``step()`` calls that itself (and a step can run inside checkpoint
+code), so a step never sees a host tensor. Outside the checkpoint methods, and under
+``export_placement(None)``, the optimizer behaves exactly as Megatron's.
+
+Importing this module imports neither Megatron nor TE. :func:`place_optimizer` recognizes
+Megatron's ``DistributedOptimizer`` by the source of the methods this integration depends on
+(:data:`FINGERPRINTS`: megatron-core 0.19.0 and 0.19.2) and refuses any other with
+:class:`UnsupportedMegatronError`, before changing anything.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import hashlib
+import inspect
+import sys
+import textwrap
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import engine, te_contract, te_load
+from ..policy import Placement, as_placement, current_placement
+from ._methods import PlacementLike, place_methods, unplace_methods
+
+__all__ = [
+    "CHECKPOINT_METHODS",
+    "FINGERPRINTS",
+    "MEGATRON_VERSIONS",
+    "UnsupportedMegatronError",
+    "check_megatron",
+    "megatron_version",
+    "place_optimizer",
+    "placed_optimizers",
+    "unplace_optimizer",
+]
+
+#: The megatron-core releases whose ``DistributedOptimizer`` methods have :data:`FINGERPRINTS`
+#: (checked by source; 0.19.2 is the one run on GPUs).
+MEGATRON_VERSIONS = ("0.19.0", "0.19.2")
+
+#: SHA-256 of the dedented source of every ``DistributedOptimizer`` method this integration
+#: replaces, diverts, or hands host tensors to (megatron-core 0.19.2 line ranges).
+FINGERPRINTS: dict[str, str] = {
+    # L825-885: its inner optimizer.state_dict() is diverted to torch's.
+    "state_dict": "cc2fc62014a96b4ee886a4532b44dc2de6d76f9a7d15221d380e5dbb31b2d241",
+    # L887-1088: its fresh-optimizer branch is replaced by TE's initial states.
+    "load_state_dict": "11d0966483bdb609d0492ad258be527f0bc725dd3894e6426833d0d1a74c01a3",
+    # L1460-1580: which readers run, and the load_state_dict(state_dict()) round trip.
+    "sharded_state_dict": "dc94757add8d6ff18b384356c176922551a5a20f8b4556230d0f959122483740",
+    # L1090-1117: reproduced with host outputs.
+    "_get_main_param_and_optimizer_states": (
+        "c7178119fd1fae73afbe283c40de2923eb0022aa0f189275022cfafc10faa6db"
+    ),
+    # L1193-1225: receives the host tensors loaded into host templates.
+    "_set_main_param_and_optimizer_states": (
+        "38261637dc92678dafee7575392004c64ff6009c60477cfb997838ca29c3b366"
+    ),
+    # L1227-1260, L1262-1409, L1828-1976, L1978-2059: consume the host states.
+    "get_parameter_state_dp_reshardable": (
+        "cf52d4c98fbe8cb59ee15f908c9ed7bbf039251e9d3a556e4514594612071e44"
+    ),
+    "get_parameter_state_dp_zero": (
+        "98951919b7e3bd6fddac796bf068ebff18bc9e197d19298e1fa355622c05b307"
+    ),
+    "sharded_param_state_dp_reshardable": (
+        "923338e2532761683bcd8b8a9493c813bdecd0aee192f74ede75436a84a85ea9"
+    ),
+    "sharded_param_state_fs_model_space": (
+        "914d62096caf713fe040030cb7a6573ea4d19a35f2b3553c155628694bc5323e"
+    ),
+}
+
+#: The ``DistributedOptimizer`` methods that save or load a checkpoint: a placed optimizer runs
+#: each inside ``export_placement``. ``ChainedOptimizer`` delegates every checkpoint call to
+#: these methods of its members.
+CHECKPOINT_METHODS = (
+    "sharded_state_dict",
+    "state_dict",
+    "load_state_dict",
+    "save_parameter_state",
+    "load_parameter_state",
+    "get_parameter_state_dp_zero",
+    "get_parameter_state_dp_reshardable",
+)
+
+# The instance methods whose behaviour changes inside a streaming policy.
+_BEHAVIOURS = ("state_dict", "load_state_dict", "_get_main_param_and_optimizer_states")
+RECORD_ATTR = "_te_ckpt_placement_megatron"
+_MISSING = object()
+_verified: weakref.WeakSet[type] = weakref.WeakSet()
+
+# Inner TE optimizers (by id) whose state_dict() returns torch's Optimizer.state_dict in this
+# context: set only while a placed DistributedOptimizer.state_dict runs.
+_GROUPS_ONLY: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
+    "te_ckpt_placement_megatron_groups_only", default=frozenset()
+)
+
+
+class UnsupportedMegatronError(RuntimeError):
+    """The optimizer's Megatron code is not the code this integration was written against."""
+
+
+def megatron_version() -> str:
+    """The installed megatron-core version, or a phrase saying why it is unknown."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("megatron-core")
+    except PackageNotFoundError:
+        module = sys.modules.get("megatron.core.package_info")
+        return str(getattr(module, "__version__", "not installed"))
+
+
+def _fingerprint(func: Any) -> str:
+    return hashlib.sha256(textwrap.dedent(inspect.getsource(func)).encode()).hexdigest()
+
+
+def check_megatron(cls: type) -> None:
+    """Raises :class:`UnsupportedMegatronError` unless ``cls`` has the methods of
+    :data:`FINGERPRINTS`, source for source."""
+    if cls in _verified:
+        return
+    differing = []
+    for name, expected in FINGERPRINTS.items():
+        func = getattr(cls, name, None)
+        if func is None:
+            differing.append(f"{name} (missing)")
+            continue
+        try:
+            found = _fingerprint(func)
+        except (OSError, TypeError) as exc:
+            raise UnsupportedMegatronError(
+                f"te_ckpt_placement cannot check {cls.__qualname__}.{name} against megatron-core "
+                f"{' and '.join(MEGATRON_VERSIONS)}: its source is not readable ({exc}). Nothing "
+                "was placed; install megatron-core with its .py files."
+            ) from exc
+        if found != expected:
+            differing.append(name)
+    if differing:
+        raise UnsupportedMegatronError(
+            "te_ckpt_placement does not know this Megatron-Core (megatron-core "
+            f"{megatron_version()}): {cls.__module__}.{cls.__qualname__} differs from "
+            f"megatron-core {' and '.join(MEGATRON_VERSIONS)} in {', '.join(differing)}, which "
+            "the Megatron integration reads or replaces. Nothing was placed. Use "
+            "megatron-core==0.19.2, or save without place_optimizer (Megatron's own "
+            "checkpointing, with its FP32 GPU copies)."
+        )
+    _verified.add(cls)
+
+
+def _is_distributed_optimizer(obj: object) -> bool:
+    return callable(getattr(type(obj), "_get_main_param_and_optimizer_states", None))
+
+
+def _members(optimizer: object) -> Iterator[object]:
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is not None:
+        for member in chained:
+            yield from _members(member)
+    elif _is_distributed_optimizer(optimizer):
+        yield optimizer
+
+
+def _is_stub(optimizer: Any) -> bool:
+    return bool(getattr(optimizer, "is_stub_optimizer", False)) or optimizer.optimizer is None
+
+
+def _is_te(inner: Any) -> bool:
+    """True for a TE FusedAdam (what Megatron's precision-aware path calls get_unscaled_state on),
+    False for HybridDeviceOptimizer and other optimizers, whose states Megatron reads raw."""
+    return (
+        inner is not None
+        and hasattr(inner, "get_unscaled_state")
+        and not te_contract.missing_attrs(inner, te_contract.REQUIRED_INSTANCE_ATTRS)
+    )
+
+
+def _streaming_te_inner(optimizer: Any) -> Any:
+    """The inner TE optimizer when a streaming policy is active, else None."""
+    placement = current_placement()
+    if placement is None or not placement.streams:
+        return None
+    inner = optimizer.optimizer
+    return inner if _is_te(inner) else None
+
+
+# --- the behaviour inside a streaming policy --------------------------------------------------
+
+
+def _state_dict(optimizer: Any, original: Callable[[], Any]) -> Any:
+    inner = _streaming_te_inner(optimizer)
+    if inner is None:
+        return original()
+    _divert_inner_state_dict(optimizer, inner)
+    token = _GROUPS_ONLY.set(_GROUPS_ONLY.get() | {id(inner)})
+    try:
+        return original()
+    finally:
+        _GROUPS_ONLY.reset(token)
+
+
+def _load_state_dict(optimizer: Any, original: Callable[[Any], Any], state_dict: Any) -> Any:
+    inner = _streaming_te_inner(optimizer)
+    if (
+        inner is not None
+        and optimizer.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+        and not optimizer.ddp_config.use_megatron_fsdp
+        and len(inner.state) == 0
+    ):
+        # The states TE's load writes into, instead of dummies next to them (L974-1020).
+        te_load.initialize_states(inner)
+    return original(state_dict)
+
+
+def _get_main_param_and_optimizer_states(
+    optimizer: Any, original: Callable[[Any], Any], model_param: Any
+) -> Any:
+    inner = _streaming_te_inner(optimizer)
+    if inner is None or not optimizer.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+        return original(model_param)
+    placement = current_placement()
+    assert placement is not None
+    # L1097-1110, with each get_unscaled_state (L1108) produced on the host.
+    group_index, group_order = optimizer.model_param_group_index_map[model_param]
+    param = inner.param_groups[group_index]["params"][group_order]
+    stored = inner.state[param]
+    where = (group_index, group_order)
+    sources = {
+        name: te_contract.describe_state(inner, param, name, value, placement, where)
+        for name, value in stored.items()
+        if isinstance(value, torch.Tensor)
+    }
+    tensors = {
+        name: engine.materialize(source, reuse_buffers=placement.reuse_buffers)
+        for name, source in sources.items()
+    }
+    tensors["param"] = tensors.pop("master_param")
+    return tensors
+
+
+_IMPLS: dict[str, Callable[..., Any]] = {
+    "state_dict": _state_dict,
+    "load_state_dict": _load_state_dict,
+    "_get_main_param_and_optimizer_states": _get_main_param_and_optimizer_states,
+}
+
+
+def _divert_inner_state_dict(optimizer: Any, inner: Any) -> None:
+    """Gives ``inner`` (once) a ``state_dict`` that is torch's while ``_GROUPS_ONLY`` names it."""
+    record: _Record = vars(optimizer)[RECORD_ATTR]
+    if any(ref() is inner for ref, _, _ in record.inners):
+        return
+    previous = vars(inner).get("state_dict", _MISSING)
+
+    def state_dict() -> Any:
+        if id(inner) in _GROUPS_ONLY.get():
+            # TE's state_dict is this plus a conversion of "state" (TE 2.20.2 fused_adam.py
+            # L482-513), which DistributedOptimizer.state_dict drops (L866).
+            return torch.optim.Optimizer.state_dict(inner)
+        if previous is not _MISSING:
+            return previous()  # type: ignore[operator]
+        return type(inner).state_dict(inner)
+
+    vars(inner)["state_dict"] = state_dict
+    record.inners.append((weakref.ref(inner), state_dict, previous))
+
+
+# --- placing ----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Record:
+    previous: dict[str, Any] = field(default_factory=dict)
+    wrappers: dict[str, Callable[..., Any]] = field(default_factory=dict)
+    # Inner optimizers given a diverting state_dict: (inner, that state_dict, what the inner's
+    # __dict__ held before).
+    inners: list[tuple[weakref.ref[Any], Any, Any]] = field(default_factory=list)
+
+
+def _distributed_optimizers(optimizer: object) -> list[Any]:
+    found = list(_members(optimizer))
+    if not found:
+        raise ValueError(
+            "place_optimizer places Megatron-Core DistributedOptimizers "
+            "(--use-distributed-optimizer), given directly or inside a ChainedOptimizer "
+            "(what get_megatron_optimizer returns); found none in "
+            f"{type(optimizer).__qualname__}"
+        )
+    return found
+
+
+def place_optimizer(optimizer: Any, placement: PlacementLike = "cpu") -> Any:
+    """Runs one Megatron optimizer's checkpoint saves and loads inside ``export_placement``.
+
+    ``optimizer`` is a ``DistributedOptimizer`` or a ``ChainedOptimizer`` (what
+    ``get_megatron_optimizer`` returns); every ``DistributedOptimizer`` in it is placed, on that
+    instance only. Members of other types, and stub optimizers (ranks without parameters), are
+    left as they are. Call it once after building the optimizer, before loading a checkpoint.
+    Idempotent; calling it again changes the placement. Returns ``optimizer``.
+
+    Raises:
+        ValueError: ``placement`` is not a valid device or ``Placement``, or ``optimizer``
+            holds no ``DistributedOptimizer``.
+        UnsupportedMegatronError: the ``DistributedOptimizer`` is not megatron-core 0.19's
+            (see :data:`FINGERPRINTS`).
+        ContractError: its TE ``FusedAdam`` lacks what the streaming export reads.
+
+    Example:
+        >>> optimizer = place_optimizer(get_megatron_optimizer(config, model))  # doctest: +SKIP
+    """
+    resolved = as_placement(placement)
+    members = _distributed_optimizers(optimizer)
+    # Everything is checked before anything changes.
+    for member in members:
+        check_megatron(type(member))
+        if _is_stub(member):
+            continue
+        inner = member.optimizer
+        if member.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 and hasattr(
+            inner, "get_unscaled_state"
+        ):
+            te_contract.check_contract(inner)
+    for member in members:
+        if not _is_stub(member):
+            _place(member, resolved)
+    return optimizer
+
+
+def _place(optimizer: Any, placement: Placement) -> None:
+    attrs = vars(optimizer)
+    if RECORD_ATTR not in attrs:
+        record = _Record()
+        for name in _BEHAVIOURS:
+            original = getattr(optimizer, name)
+            record.previous[name] = attrs.get(name, _MISSING)
+            wrapper = _behaviour(optimizer, original, _IMPLS[name])
+            attrs[name] = wrapper
+            record.wrappers[name] = wrapper
+        attrs[RECORD_ATTR] = record
+    # Outermost: the policy around each checkpoint method (the behaviours above included).
+    place_methods(optimizer, CHECKPOINT_METHODS, placement)
+
+
+def _behaviour(
+    optimizer: Any, original: Callable[..., Any], impl: Callable[..., Any]
+) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def method(*args: Any, **kwargs: Any) -> Any:
+        return impl(optimizer, original, *args, **kwargs)
+
+    return method
+
+
+def placed_optimizers(optimizer: object) -> tuple[Any, ...]:
+    """The ``DistributedOptimizer`` instances in ``optimizer`` that are placed now."""
+    return tuple(m for m in _members(optimizer) if RECORD_ATTR in vars(m))
+
+
+def unplace_optimizer(optimizer: object) -> bool:
+    """Restores what :func:`place_optimizer` changed; returns False if nothing was placed.
+
+    A method that something else replaced after placing is left alone, with a warning.
+    """
+    placed = placed_optimizers(optimizer)
+    for member in placed:
+        unplace_methods(member)
+        attrs = vars(member)
+        record: _Record = attrs.pop(RECORD_ATTR)
+        for name, wrapper in record.wrappers.items():
+            _restore(member, attrs, name, wrapper, record.previous[name])
+        for ref, ours, previous in record.inners:
+            inner = ref()
+            if inner is not None:
+                _restore(inner, vars(inner), "state_dict", ours, previous)
+    return bool(placed)
+
+
+def _restore(obj: object, attrs: dict[str, Any], name: str, ours: Any, previous: Any) -> None:
+    if attrs.get(name) is not ours:
+        warnings.warn(
+            f"te_ckpt_placement: {type(obj).__qualname__}.{name} was replaced after "
+            "place_optimizer; leaving the replacement in place",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return
+    if previous is _MISSING:
+        del attrs[name]
+    else:
+        attrs[name] = previous

@@ -1,0 +1,685 @@
+"""The Megatron-Core integration on the CPU: DistributedOptimizer checkpoints under the policy.
+
+Every check runs on ``tests/megatron_standin.py``'s optimizer, whose checkpoint methods are
+megatron-core 0.19.2's own (copied byte for byte), and again on Megatron's real
+``DistributedOptimizer`` class wherever megatron-core imports (Python >= 3.12; the GPU machine).
+TE is the CPU stand-in of ``tests/standin.py``, hooked like TE's class.
+``TE_CKPT_REQUIRE_MEGATRON=1`` (the GPU session) turns a megatron-core that does not import into a
+failure instead of a skip.
+
+What they prove: placed, every parameter state Megatron reads for a checkpoint is a fresh host
+tensor with exactly the dtype and bits of TE's ``get_unscaled_state``, produced without calling
+it (no device conversion); ``state_dict()`` exports nothing; a fresh optimizer loads without
+Megatron's dummy states; checkpoints and loaded states equal Megatron's own; nothing changes
+outside the policy; an unknown Megatron is refused before anything changes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+import te_ckpt_placement
+from te_ckpt_placement import ContractError, Placement, engine, export_placement
+from te_ckpt_placement.integrations import megatron
+from te_ckpt_placement.integrations._methods import placed_methods
+
+from . import megatron_standin as ms
+from .helpers import bits
+from .standin import StandInFusedAdam
+
+pytestmark = pytest.mark.usefixtures("hooked_standin")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DP_RESHARDABLE = {"distrib_optim_sharding_type": "dp_reshardable"}
+FS_MODEL_SPACE = {"distrib_optim_sharding_type": "fully_sharded_model_space"}
+# (moments, master): TE's storage modes under --use-precision-aware-optimizer. FP8 moments are
+# left to the GPU test: TE's Float8Tensor is a torch.Tensor, the CPU stand-in's FP8 state is not,
+# and Megatron skips states that are not tensors (distrib_optimizer.py L1104).
+STORAGE = [
+    (torch.bfloat16, "remainder"),
+    (torch.bfloat16, "fp32"),
+    (torch.float16, "fp32"),
+    (torch.float32, "fp32"),
+]
+STORAGE_IDS = ["bf16-remainder", "bf16-fp32", "fp16-fp32", "fp32-fp32"]
+
+
+@functools.cache
+def _real_api() -> SimpleNamespace | None:
+    return ms.megatron_api()
+
+
+@pytest.fixture(params=["standin", "megatron"])
+def api(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
+    if request.param == "standin":
+        return ms.standin_api()
+    real = _real_api()
+    if real is None:
+        reason = "megatron-core does not import here (it needs Python >= 3.12)"
+        if os.environ.get("TE_CKPT_REQUIRE_MEGATRON") == "1":  # the GPU session sets it
+            pytest.fail(reason)
+        pytest.skip(reason)
+    # As they are where TE is installed (distrib_optimizer.py L19-33).
+    monkeypatch.setattr(real.module, "HAVE_APEX_OR_TE", True)
+    monkeypatch.setattr(real.module, "USING_TE_OPTIMIZER", True)
+    return real
+
+
+@pytest.fixture
+def materialized(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Kinds of every state the streaming engine produces on the host (any export)."""
+    calls: list[str] = []
+    original = engine.materialize
+
+    def spy(source: engine.StateSource, **kwargs: Any) -> torch.Tensor:
+        calls.append(source.kind)
+        return original(source, **kwargs)
+
+    monkeypatch.setattr(engine, "materialize", spy)
+    return calls
+
+
+@pytest.fixture
+def unscale_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Names of every state TE's get_unscaled_state converts (the GPU copies, on TE)."""
+    calls: list[str] = []
+    original = StandInFusedAdam.get_unscaled_state
+
+    def spy(self: Any, param: torch.Tensor, name: str) -> torch.Tensor:
+        calls.append(name)
+        return original(self, param, name)
+
+    monkeypatch.setattr(StandInFusedAdam, "get_unscaled_state", spy)
+    return calls
+
+
+# --- comparisons ------------------------------------------------------------------------------
+
+
+def assert_same(ours: Any, ref: Any, where: str = "") -> None:
+    """Same structure, types, dtypes and bits (tensors, Megatron mapping objects, plain data)."""
+    if isinstance(ref, torch.Tensor):
+        assert isinstance(ours, torch.Tensor), f"{where}: {type(ours).__name__}"
+        assert ours.dtype == ref.dtype and ours.shape == ref.shape, f"{where}: dtype/shape"
+        assert torch.equal(bits(ours), bits(ref)), f"{where}: values differ"
+    elif isinstance(ref, dict):
+        assert isinstance(ours, dict) and list(ours) == list(ref), f"{where}: keys differ"
+        skip = _is_padding(ref)
+        for key in ref:
+            if skip and isinstance(ref[key], (torch.Tensor, *_sharded_tensor_types())):
+                _assert_same_metadata(ours[key], ref[key], f"{where}.{key}")
+            else:
+                assert_same(ours[key], ref[key], f"{where}.{key}")
+    elif isinstance(ref, list | tuple):
+        assert type(ours) is type(ref) and len(ours) == len(ref), f"{where}: sequence"
+        for i, (x, y) in enumerate(zip(ours, ref, strict=True)):
+            assert_same(x, y, f"{where}[{i}]")
+    elif isinstance(ref, _sharded_tensor_types()):
+        _assert_same_metadata(ours, ref, where)
+        assert_same(ours.data, ref.data, f"{where}.data")
+    elif type(ref).__name__ == "ShardedObject":
+        assert type(ours) is type(ref) and ours.key == ref.key, f"{where}: ShardedObject"
+        assert ours.replica_id == ref.replica_id, f"{where}: replica_id"
+        assert_same(ours.data, ref.data, f"{where}.data")
+    elif type(ref).__name__ == "LocalNonpersistentObject":
+        assert type(ours) is type(ref), f"{where}: LocalNonpersistentObject"
+        assert_same(ours.unwrap(), ref.unwrap(), f"{where}.obj")
+    else:
+        assert ours == ref, f"{where}: {ours!r} != {ref!r}"
+
+
+def _sharded_tensor_types() -> tuple[type, ...]:
+    types: tuple[type, ...] = (ms.megatron_support.ShardedTensor,)
+    real = _real_api()
+    return types if real is None else (*types, real.ShardedTensor)
+
+
+def _is_padding(entry: dict[Any, Any]) -> bool:
+    # dp_reshardable's padding entries hold torch.empty garbage (distrib_optimizer.py L1913).
+    padding = entry.get("padding")
+    obj = padding.unwrap() if hasattr(padding, "unwrap") else padding
+    return obj is True
+
+
+def _assert_same_metadata(ours: Any, ref: Any, where: str) -> None:
+    assert type(ours) is type(ref), f"{where}: {type(ours).__name__}"
+    if isinstance(ref, torch.Tensor):
+        assert ours.dtype == ref.dtype and ours.shape == ref.shape, f"{where}: dtype/shape"
+        return
+    for attr in ("key", "dtype", "local_shape", "global_shape", "global_offset", "replica_id"):
+        assert getattr(ours, attr) == getattr(ref, attr), f"{where}: {attr}"
+
+
+def host_tensors(tree: Any) -> Iterator[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            yield from host_tensors(v)
+    elif isinstance(tree, list | tuple):
+        for v in tree:
+            yield from host_tensors(v)
+    elif isinstance(tree, _sharded_tensor_types()):
+        yield tree.data
+
+
+def live_storages(built: ms.Built) -> set[int]:
+    inner = built.inner
+    out = {p.untyped_storage().data_ptr() for p in built.params}
+    for states in inner.state.values():
+        for value in states.values():
+            local = getattr(value, "_data", value)
+            if isinstance(local, torch.Tensor):
+                out.add(local.untyped_storage().data_ptr())
+    return out
+
+
+def assert_fresh_host(tensors: Iterator[torch.Tensor], built: ms.Built) -> int:
+    """Each tensor is on the CPU, owns exactly its bytes and shares nothing with live state."""
+    live = live_storages(built)
+    n = 0
+    for t in tensors:
+        assert t.device.type == "cpu"
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        assert t.untyped_storage().data_ptr() not in live
+        n += 1
+    return n
+
+
+def raw_states(inner: Any) -> dict[tuple[int, int, str], torch.Tensor]:
+    """Every stored state's raw local bytes (FP8 data and scales too), by (group, index, name)."""
+    out = {}
+    for g, group in enumerate(inner.param_groups):
+        for i, p in enumerate(group["params"]):
+            for name, value in inner.state[p].items():
+                if hasattr(value, "_data"):
+                    out[(g, i, name)] = value._data.clone()
+                    out[(g, i, name + ".scale_inv")] = value._scale_inv.clone()
+                else:
+                    out[(g, i, name)] = value.clone()
+                    scale = inner._scales.get(p, {}).get(name)
+                    if scale is not None:
+                        out[(g, i, name + ".scale")] = scale.clone()
+    return out
+
+
+def simulate_load(template: Any, saved: Any) -> Any:
+    """What dist_checkpointing.load returns for ``template``, from a checkpoint of ``saved``:
+    ShardedTensors read in place into the template's tensor, ShardedObjects and
+    LocalNonpersistentObjects unwrapped (the same layout, so the structures match)."""
+    if isinstance(template, dict):
+        return {k: simulate_load(template[k], saved[k]) for k in template}
+    if isinstance(template, list):
+        return [simulate_load(t, s) for t, s in zip(template, saved, strict=True)]
+    if isinstance(template, _sharded_tensor_types()):
+        template.data.copy_(saved.data)
+        return template.data
+    if type(template).__name__ == "ShardedObject":
+        return saved.data
+    if type(template).__name__ == "LocalNonpersistentObject":
+        return template.unwrap()
+    return template
+
+
+# --- recognizing Megatron ---------------------------------------------------------------------
+
+
+def test_the_copied_methods_have_the_known_fingerprints() -> None:
+    # megatron_verbatim.py is megatron-core 0.19.2's source: its hashes are FINGERPRINTS.
+    for name, expected in megatron.FINGERPRINTS.items():
+        assert megatron._fingerprint(getattr(ms.StandInDistributedOptimizer, name)) == expected
+    megatron.check_megatron(ms.StandInDistributedOptimizer)
+
+
+def test_importing_the_integration_imports_neither_megatron_nor_te() -> None:
+    code = (
+        "import sys\n"
+        "import te_ckpt_placement.integrations.megatron\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('megatron', 'transformer_engine')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert out.stdout.strip() == "[]"
+
+
+def test_an_unknown_megatron_is_refused_before_anything_changes() -> None:
+    class Patched(ms.StandInDistributedOptimizer):
+        def state_dict(self) -> Any:  # a Megatron release that changed this method
+            return {}
+
+    built = ms.build(ms.standin_api())
+    built.optimizer.__class__ = Patched
+    before = dict(vars(built.optimizer))
+    with pytest.raises(megatron.UnsupportedMegatronError) as err:
+        megatron.place_optimizer(ms.StandInChainedOptimizer([built.optimizer]))
+    message = str(err.value)
+    assert "0.19.0 and 0.19.2 in state_dict, which" in message
+    assert f"(megatron-core {megatron.megatron_version()})" in message
+    assert_unchanged(built.optimizer, before)
+
+
+def test_a_missing_method_is_named() -> None:
+    class Old(ms.StandInDistributedOptimizer):
+        get_parameter_state_dp_reshardable = None  # type: ignore[assignment]
+
+    with pytest.raises(megatron.UnsupportedMegatronError, match=r"dp_reshardable \(missing\)"):
+        megatron.check_megatron(Old)
+
+
+def test_only_distributed_optimizers_are_placed() -> None:
+    with pytest.raises(ValueError, match="found none"):
+        megatron.place_optimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))]))
+    built = ms.build(ms.standin_api())
+    with pytest.raises(ValueError, match="valid values"):
+        megatron.place_optimizer(built.optimizer, "cuda")
+    assert not megatron.placed_optimizers(built.optimizer)
+
+
+def test_a_te_optimizer_without_the_contract_is_refused() -> None:
+    built = ms.build(ms.standin_api())
+    del built.inner._scales
+    before = dict(vars(built.optimizer))
+    with pytest.raises(ContractError, match="_scales"):
+        megatron.place_optimizer(built.optimizer)
+    assert_unchanged(built.optimizer, before)
+
+
+def assert_unchanged(obj: object, before: dict[str, Any]) -> None:
+    after = vars(obj)
+    assert list(after) == list(before)
+    assert all(after[k] is before[k] for k in before)
+
+
+# --- saving -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("moments", "master"), STORAGE, ids=STORAGE_IDS)
+def test_parameter_states_come_to_the_host_with_get_unscaled_states_bits(
+    api: SimpleNamespace, moments: torch.dtype, master: str, unscale_calls: list[str]
+) -> None:
+    built = ms.build(api, moments=moments, master=master)
+    unscale_calls.clear()  # (the training steps')
+    default = built.optimizer.get_parameter_state_dp_reshardable()  # Megatron + TE, on "device"
+    assert len(unscale_calls) == 3 * len(built.params), "Megatron reads each through TE"
+    megatron.place_optimizer(built.optimizer)
+    unscale_calls.clear()
+    placed = built.optimizer.get_parameter_state_dp_reshardable()
+    assert unscale_calls == [], "placed, no state goes through TE's device conversion"
+    assert_same(placed, default)
+    n = assert_fresh_host(host_tensors(placed), built)
+    assert n == 3 * len(built.params)
+    for model_param in built.params:
+        tensors = built.optimizer._get_main_param_and_optimizer_states(model_param)
+        assert list(tensors) == ["exp_avg", "exp_avg_sq", "param"]
+        assert tensors["param"].dtype == (torch.int16 if master == "remainder" else torch.float32)
+        assert tensors["exp_avg"].dtype == tensors["exp_avg_sq"].dtype == torch.float32
+
+
+@pytest.mark.parametrize(("moments", "master"), STORAGE[:3], ids=STORAGE_IDS[:3])
+def test_dp_reshardable_checkpoint_equals_megatrons(
+    api: SimpleNamespace, moments: torch.dtype, master: str, unscale_calls: list[str]
+) -> None:
+    built = ms.build(api, moments=moments, master=master)
+    model_sd = built.model_sharded_state_dict()
+    default = built.optimizer.sharded_state_dict(model_sd, metadata=DP_RESHARDABLE)
+    megatron.place_optimizer(ms.StandInChainedOptimizer([built.optimizer]))
+    unscale_calls.clear()
+    placed = built.optimizer.sharded_state_dict(model_sd, metadata=DP_RESHARDABLE)
+    assert unscale_calls == []
+    assert_same(placed, default)  # padding entries: metadata only (their data is torch.empty)
+    assert assert_fresh_host(host_tensors(placed["param_state"]), built) > 3 * len(built.params)
+
+
+def test_fully_sharded_model_space_fails_in_megatron_as_without_the_policy(
+    api: SimpleNamespace,
+) -> None:
+    # megatron-core 0.19.2 rejects its own flattened ShardedTensors (mapping.py L134-135).
+    built = ms.build(api)
+    model_sd = built.model_sharded_state_dict()
+    with pytest.raises(Exception, match="flattened_range is not supported") as default:
+        built.optimizer.sharded_state_dict(model_sd, metadata=FS_MODEL_SPACE)
+    megatron.place_optimizer(built.optimizer)
+    with pytest.raises(default.type, match="flattened_range is not supported"):
+        built.optimizer.sharded_state_dict(model_sd, metadata=FS_MODEL_SPACE)
+
+
+def test_state_dict_exports_nothing(
+    api: SimpleNamespace, unscale_calls: list[str], materialized: list[str]
+) -> None:
+    built = ms.build(api)
+    unscale_calls.clear()  # (the training steps')
+    default = built.optimizer.state_dict()
+    assert len(unscale_calls) == 3 * len(built.params)  # TE's export, on the "device"
+    with export_placement("cpu"):
+        built.optimizer.state_dict()  # the policy alone: TE's export streamed, thrown away
+    assert len(materialized) == 3 * len(built.params)
+    megatron.place_optimizer(built.optimizer)
+    unscale_calls.clear()
+    materialized.clear()
+    placed = built.optimizer.state_dict()
+    assert unscale_calls == [] and materialized == []
+    assert_same(placed, default)
+    assert "state" not in placed["optimizer"] and placed["optimizer"]["param_groups"]
+    # The diversion is scoped to that call: TE's own state_dict still exports, and streams.
+    with export_placement("cpu"):
+        exported = built.inner.state_dict()
+    assert len(exported["state"]) == len(built.params)
+    assert assert_fresh_host(host_tensors(exported["state"]), built) == 3 * len(built.params)
+
+
+# --- loading ----------------------------------------------------------------------------------
+
+
+def _resume(
+    api: SimpleNamespace,
+    saved_built: ms.Built,
+    saved: Any,
+    metadata: dict[str, str],
+    *,
+    place: bool,
+    **build_kwargs: Any,
+) -> ms.Built:
+    """A fresh optimizer (other values, no state), its model loaded, then the optimizer."""
+    fresh = ms.build(api, train_steps=0, seed=99, **build_kwargs)
+    for p, q in zip(fresh.params, saved_built.params, strict=True):
+        p.data.copy_(q)
+    if place:
+        megatron.place_optimizer(fresh.optimizer)
+    template = fresh.optimizer.sharded_state_dict(
+        fresh.model_sharded_state_dict(), is_loading=True, metadata=metadata
+    )
+    fresh.extras["templates"] = list(host_tensors(template["param_state"]))
+    fresh.optimizer.load_state_dict(simulate_load(template, saved))
+    return fresh
+
+
+@pytest.mark.parametrize(("moments", "master"), STORAGE, ids=STORAGE_IDS)
+def test_resume_equals_megatrons_and_the_saved_run(
+    api: SimpleNamespace, moments: torch.dtype, master: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kwargs = {"moments": moments, "master": master}
+    built = ms.build(api, **kwargs)
+    saved = built.optimizer.sharded_state_dict(
+        built.model_sharded_state_dict(), metadata=DP_RESHARDABLE
+    )
+    # Megatron's fresh-optimizer load allocates dummy states on the current CUDA device
+    # (L997); on the CPU they go to the host.
+    dummies: list[int] = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: dummies.append(1) or "cpu")
+    default = _resume(api, built, saved, DP_RESHARDABLE, place=False, **kwargs)
+    assert dummies, "Megatron's own load builds dummy states"
+    dummies.clear()
+    placed = _resume(api, built, saved, DP_RESHARDABLE, place=True, **kwargs)
+    assert dummies == [], "placed, a fresh optimizer starts from TE's initial states"
+    assert_fresh_host(iter(placed.extras["templates"]), placed)
+    assert_same_raw(placed.inner, default.inner)
+    assert_same(placed.optimizer.state_dict(), default.optimizer.state_dict())
+    # BF16 and FP32 states survive a save and load exactly; FP16 and FP8 ones get new scales
+    # (set_scaled_state), the same in both.
+    exact = moments in (torch.bfloat16, torch.float32)
+    if exact:
+        assert_same_raw(placed.inner, built.inner)
+    # Both train on identically (and, where the round trip is exact, like the saving run).
+    for run in (built, default, placed):
+        ms.train(run, steps=2, seed=7)
+    assert_same_raw(placed.inner, default.inner)
+    for p, q in zip(placed.params, default.params, strict=True):
+        assert torch.equal(bits(p), bits(q))
+    if exact:
+        assert_same_raw(placed.inner, built.inner)
+        for p, q in zip(placed.params, built.params, strict=True):
+            assert torch.equal(bits(p), bits(q))
+
+
+def assert_same_raw(inner: Any, ref_inner: Any) -> None:
+    got, ref = raw_states(inner), raw_states(ref_inner)
+    assert list(got) == list(ref)
+    for key in ref:
+        assert torch.equal(bits(got[key]), bits(ref[key])), key
+
+
+def test_a_loaded_optimizer_with_state_loads_in_place(api: SimpleNamespace) -> None:
+    built = ms.build(api)
+    saved = built.optimizer.sharded_state_dict(
+        built.model_sharded_state_dict(), metadata=DP_RESHARDABLE
+    )
+    other = ms.build(api, seed=5)  # trained: Megatron's "retrieve existing state" branch
+    for p, q in zip(other.params, built.params, strict=True):
+        p.data.copy_(q)
+    megatron.place_optimizer(other.optimizer)
+    before = {k: v.untyped_storage().data_ptr() for k, v in _live(other.inner).items()}
+    template = other.optimizer.sharded_state_dict(
+        other.model_sharded_state_dict(), is_loading=True, metadata=DP_RESHARDABLE
+    )
+    other.optimizer.load_state_dict(simulate_load(template, saved))
+    after = {k: v.untyped_storage().data_ptr() for k, v in _live(other.inner).items()}
+    assert after == before, "the live states were written in place"
+    assert_same_raw(other.inner, built.inner)
+
+
+def _live(inner: Any) -> dict[tuple[int, int, str], torch.Tensor]:
+    return {
+        (g, i, name): getattr(value, "_data", value)
+        for g, group in enumerate(inner.param_groups)
+        for i, p in enumerate(group["params"])
+        for name, value in inner.state[p].items()
+    }
+
+
+# --- scope: what the policy touches, and what it does not -------------------------------------
+
+
+def test_outside_the_checkpoint_methods_nothing_changes(
+    api: SimpleNamespace, unscale_calls: list[str]
+) -> None:
+    built = ms.build(api)
+    megatron.place_optimizer(built.optimizer)
+    unscale_calls.clear()  # (the training steps')
+    for model_param in built.params:
+        # A direct call is not a checkpoint call: Megatron's own path, TE's conversion.
+        tensors = built.optimizer._get_main_param_and_optimizer_states(model_param)
+        g, i = built.optimizer.model_param_group_index_map[model_param]
+        shard = built.inner.param_groups[g]["params"][i]
+        assert tensors["param"] is built.inner.state[shard]["master_param"]  # TE's alias
+    assert len(unscale_calls) == 3 * len(built.params)
+    # export_placement(None) inside a placed call restores Megatron's behaviour.
+    megatron.place_optimizer(built.optimizer, None)
+    unscale_calls.clear()
+    built.optimizer.get_parameter_state_dp_reshardable()
+    assert len(unscale_calls) == 3 * len(built.params)
+
+
+def test_a_step_inside_a_checkpoint_call_is_tes_own(
+    api: SimpleNamespace, materialized: list[str]
+) -> None:
+    # Megatron can step inside checkpoint code (_init_optimizer_states_with_dummy_values);
+    # get_unscaled_state is never replaced, so TE's step works on its own device states.
+    twin_a, twin_b = ms.build(api), ms.build(api)
+    megatron.place_optimizer(twin_a.optimizer)
+    original = twin_a.optimizer.get_parameter_state_dp_reshardable
+
+    def checkpoint_with_a_step() -> Any:
+        inner = twin_a.inner
+        p = inner.param_groups[0]["params"][0]
+        assert inner.get_unscaled_state(p, "master_param") is inner.state[p]["master_param"]
+        ms.train(twin_a, steps=1, seed=3)
+        assert materialized == [], "the step produced nothing on the host"
+        return original()
+
+    twin_a.optimizer.get_parameter_state_dp_reshardable = checkpoint_with_a_step
+    with export_placement("cpu"):
+        twin_a.optimizer.get_parameter_state_dp_reshardable()
+    assert len(materialized) == 3 * len(twin_a.params)
+    ms.train(twin_b, steps=1, seed=3)
+    assert_same_raw(twin_a.inner, twin_b.inner)
+
+
+def test_without_precision_aware_states_megatrons_path_is_kept(
+    api: SimpleNamespace, unscale_calls: list[str]
+) -> None:
+    # FP32 states of Megatron's FP32 main params: Megatron reads them raw, no conversion.
+    built = ms.build(api, precision_aware=False)
+    megatron.place_optimizer(built.optimizer)
+    unscale_calls.clear()  # (the training steps')
+    with export_placement("cpu"):
+        for model_param in built.params:
+            g, i = built.optimizer.model_param_group_index_map[model_param]
+            main = built.inner.param_groups[g]["params"][i]
+            tensors = built.optimizer._get_main_param_and_optimizer_states(model_param)
+            assert tensors["param"] is main
+            assert tensors["exp_avg"] is built.inner.state[main]["exp_avg"]
+    assert unscale_calls == []
+
+
+def test_conversion_on_device_and_reused_buffers(
+    api: SimpleNamespace, unscale_calls: list[str]
+) -> None:
+    built = ms.build(api, moments=torch.float16, master="fp32")
+    default = built.optimizer.get_parameter_state_dp_reshardable()
+    megatron.place_optimizer(built.optimizer, Placement(device="cpu", conversion="device"))
+    unscale_calls.clear()
+    placed = built.optimizer.get_parameter_state_dp_reshardable()
+    # TE's own conversion of the FP16 moments, one state at a time; FP32 masters are copied.
+    assert sorted(set(unscale_calls)) == ["exp_avg", "exp_avg_sq"]
+    assert_same(placed, default)
+    megatron.place_optimizer(built.optimizer, Placement(device="cpu", reuse_buffers=True))
+    first = [
+        t.data_ptr() for t in host_tensors(built.optimizer.get_parameter_state_dp_reshardable())
+    ]
+    again = [
+        t.data_ptr() for t in host_tensors(built.optimizer.get_parameter_state_dp_reshardable())
+    ]
+    assert first == again, "idle output buffers are reused"
+    te_ckpt_placement.release_buffers()
+
+
+# --- placing and unplacing --------------------------------------------------------------------
+
+
+def test_a_chained_optimizer_places_its_distributed_optimizers(api: SimpleNamespace) -> None:
+    a, b = ms.build(api), ms.build(api, seed=1)
+    chain = ms.StandInChainedOptimizer([a.optimizer, ms.StandInChainedOptimizer([b.optimizer])])
+    assert megatron.place_optimizer(chain) is chain
+    assert megatron.placed_optimizers(chain) == (a.optimizer, b.optimizer)
+    for opt in (a.optimizer, b.optimizer):
+        # (The stand-in lacks the legacy torch-format save/load_parameter_state.)
+        assert set(placed_methods(opt)) == {
+            m for m in megatron.CHECKPOINT_METHODS if hasattr(type(opt), m)
+        }
+    assert megatron.unplace_optimizer(chain)
+    assert megatron.placed_optimizers(chain) == ()
+    assert not megatron.unplace_optimizer(chain)
+
+
+def test_unplace_restores_exactly(api: SimpleNamespace, unscale_calls: list[str]) -> None:
+    built = ms.build(api)
+    pristine = dict(vars(built.optimizer))
+    inner_pristine = dict(vars(built.inner))
+    megatron.place_optimizer(built.optimizer)
+    megatron.place_optimizer(built.optimizer)  # idempotent
+    built.optimizer.state_dict()  # gives the inner optimizer its diverting state_dict
+    assert "state_dict" in vars(built.inner)
+    assert megatron.unplace_optimizer(built.optimizer)
+    assert_unchanged(built.optimizer, pristine)
+    assert_unchanged(built.inner, inner_pristine)
+    unscale_calls.clear()
+    built.optimizer.state_dict()
+    with export_placement("cpu"):
+        built.optimizer.get_parameter_state_dp_reshardable()
+    assert len(unscale_calls) == 2 * 3 * len(built.params), "Megatron's and TE's own again"
+
+
+def test_a_replaced_method_is_left_in_place_on_unplace(api: SimpleNamespace) -> None:
+    built = ms.build(api)
+    megatron.place_optimizer(built.optimizer)
+
+    def mine() -> str:
+        return "mine"
+
+    built.optimizer.state_dict = mine
+    with pytest.warns(RuntimeWarning, match="replaced"):
+        megatron.unplace_optimizer(built.optimizer)
+    assert built.optimizer.state_dict is mine
+
+
+# --- two data-parallel ranks on gloo ----------------------------------------------------------
+
+
+def _two_rank_worker(rank: int, port: int, with_real: bool) -> None:
+    import torch.distributed as dist
+
+    from te_ckpt_placement import te_hooks
+
+    te_hooks.patch_class(StandInFusedAdam)
+    dist.init_process_group(
+        "gloo",
+        rank=rank,
+        world_size=2,
+        init_method=f"tcp://127.0.0.1:{port}",
+        timeout=datetime.timedelta(seconds=120),
+    )
+    try:
+        apis = [ms.standin_api()]
+        if with_real:
+            real = ms.megatron_api()
+            assert real is not None
+            real.module.HAVE_APEX_OR_TE = True
+            real.module.USING_TE_OPTIMIZER = True
+            apis.append(real)
+        group = dist.new_group(backend="gloo")
+        for api_ in apis:
+            _check_two_ranks(api_, group)
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_two_ranks(api: SimpleNamespace, group: Any) -> None:
+    # Every bucket splits across both ranks (Megatron refuses a rank's empty bucket, L1899).
+    sizes = ((96, 40), (300,), (37, 5), (1000,), (300,))
+    kwargs = {"group": group, "moments": torch.bfloat16, "master": "fp32", "sizes": sizes}
+    built = ms.build(api, **kwargs)
+    model_sd = built.model_sharded_state_dict()
+    # Each rank owns part of a bucket, with padding between and after its parameters.
+    default_zero = built.optimizer.get_parameter_state_dp_zero(use_gloo_comm=True)
+    default_sd = built.optimizer.sharded_state_dict(model_sd, metadata=DP_RESHARDABLE)
+    megatron.place_optimizer(built.optimizer)
+    placed_zero = built.optimizer.get_parameter_state_dp_zero(use_gloo_comm=True)
+    if group.rank() == 0:
+        assert_same(placed_zero, default_zero)  # the gathered world tensors
+    else:
+        assert placed_zero is None and default_zero is None
+    placed_sd = built.optimizer.sharded_state_dict(model_sd, metadata=DP_RESHARDABLE)
+    assert_same(placed_sd, default_sd)
+    resumed = _resume(api, built, placed_sd, DP_RESHARDABLE, place=True, **kwargs)
+    assert_same_raw(resumed.inner, built.inner)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_two_data_parallel_ranks_on_gloo() -> None:
+    import torch.multiprocessing as mp
+
+    mp.spawn(_two_rank_worker, args=(_free_port(), _real_api() is not None), nprocs=2, join=True)
