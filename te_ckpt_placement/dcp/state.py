@@ -6,7 +6,7 @@ Uses only APIs that torch 2.11 (the GPU machine's version) and 2.13 share.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.distributed.checkpoint.state_dict import (
@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ..policy import Placement, as_placement, export_placement
+from .lazy_state import lazy_optimizer_state_dict, resolve_loaded
 
 __all__ = ["PlacedOptimizerState"]
 
@@ -24,6 +25,7 @@ StateDict = dict[str, Any]
 
 ModelParts = torch.nn.Module | Sequence[torch.nn.Module]
 Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer]
+SAVE_MODES = ("export", "streaming")
 
 
 def _as_list(value: Any, kind: type, what: str, hint: str) -> list[Any]:
@@ -57,9 +59,15 @@ class PlacedOptimizerState(Stateful):
         options: ``StateDictOptions`` for ``get_/set_optimizer_state_dict``; it must keep
             ``flatten_optimizer_state_dict=True`` (the default here), which merging model parts
             and DCP resharding rely on.
+        save: ``"export"`` (default): :meth:`state_dict` exports every state to host memory
+            under the policy. ``"streaming"``: it returns lazy states
+            (:func:`~te_ckpt_placement.dcp.lazy_optimizer_state_dict`) that DCP's writer
+            produces one at a time when it writes them, so a save never holds the whole FP32
+            export; pair it with :class:`~te_ckpt_placement.dcp.StreamingWriter` (docs/dcp.md).
+            Loads work the same in both modes.
 
     Raises:
-        ValueError: for a model, optimizer, placement or options value outside those above.
+        ValueError: for a model, optimizer, placement, options or save value outside those above.
 
     Example:
         >>> import torch.distributed.checkpoint as dcp
@@ -75,6 +83,7 @@ class PlacedOptimizerState(Stateful):
         *,
         placement: Placement | str | torch.device | None = "cpu",
         options: StateDictOptions | None = None,
+        save: Literal["export", "streaming"] = "export",
     ) -> None:
         parts = _as_list(
             model,
@@ -119,7 +128,18 @@ class PlacedOptimizerState(Stateful):
                 "sharded checkpoints itself"
             )
         self.placement = as_placement(placement)  # raises ValueError naming the valid values
+        if save not in SAVE_MODES:
+            raise ValueError(
+                f"unsupported save {save!r}: valid values are 'export' (state_dict() exports "
+                "every state) or 'streaming' (lazy states that DCP's writer produces one at a time)"
+            )
+        if save == "streaming" and not self.placement.streams:
+            raise ValueError(
+                "unsupported save='streaming' with placement=None: valid placements for a "
+                "streaming save are 'cpu' or a Placement(device='cpu', ...)"
+            )
         self.options = options
+        self.save = save
         # One (model, optimizers) pair per call of get_/set_optimizer_state_dict.
         if len(parts) == 1:
             self._pairs = [(parts[0], tuple(optims))]
@@ -137,10 +157,19 @@ class PlacedOptimizerState(Stateful):
         Raises:
             ValueError: two model parts export the same key (their FQNs overlap).
         """
+        if self.save == "streaming":
+            parts = [
+                lazy_optimizer_state_dict(
+                    model, optims, options=self.options, placement=self.placement
+                )
+                for model, optims in self._pairs
+            ]
+        else:
+            parts = self._each(
+                lambda model, optims: get_optimizer_state_dict(model, optims, options=self.options)
+            )
         merged: StateDict = {}
-        for part in self._each(
-            lambda model, optims: get_optimizer_state_dict(model, optims, options=self.options)
-        ):
+        for part in parts:
             overlap = merged.keys() & part.keys()
             if overlap:
                 raise ValueError(
@@ -152,6 +181,8 @@ class PlacedOptimizerState(Stateful):
 
     def load_state_dict(self, state_dict: StateDict) -> None:
         """Loads a flattened optimizer state dict into every optimizer, under the policy."""
+        # A save="streaming" template holds lazy states that DCP read into: their host tensors.
+        state_dict = resolve_loaded(state_dict)
         # Each part picks its own keys from the merged dict (as torchtitan's container does).
         self._each(
             lambda model, optims: set_optimizer_state_dict(
