@@ -200,8 +200,10 @@ class LazyState(torch.Tensor):
             return False
         raise TypeError(
             f"{func} on a te_ckpt_placement LazyState: a streaming-save placeholder holds no "
-            "data until DCP's writer asks for it. Save it with dcp.save/dcp.async_save, or "
-            "export with PlacedOptimizerState(save='export') to get tensors."
+            "data until DCP's writer asks for it. Save it with dcp.save, or with "
+            "dcp.async_save staged by te_ckpt_placement.dcp.SnapshotStager (torch's stagers "
+            "copy every tensor and cannot stage it); export with "
+            "PlacedOptimizerState(save='export') to get tensors."
         )
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]

@@ -187,9 +187,9 @@ class StreamingWriter(FileSystemWriter):
 
     Data files get names unique to each save, so a save into a directory that already holds a
     checkpoint overwrites nothing of it until the new ``.metadata`` replaces the old (torch's
-    atomic rename); after that the old checkpoint's data files are deleted. A failed or
-    interrupted save leaves the previous checkpoint loadable (and may leave its own partial data
-    files behind, unreferenced).
+    atomic rename); after that the old checkpoint's data files are deleted. A failed save leaves
+    the previous checkpoint loadable: a rank whose write fails deletes the files it wrote, and
+    files that other ranks completed stay behind unreferenced (as do those of a killed process).
 
     For ``dcp.async_save`` this writer is also the stager (as torch's ``FileSystemWriter`` is): it
     stages with a :class:`~te_ckpt_placement.dcp.SnapshotStager`, which copies only the raw stored
@@ -280,6 +280,7 @@ class StreamingWriter(FileSystemWriter):
         abort = threading.Event()
         results: list[WriteResult] = []
         errors: list[BaseException] = []
+        created: list[str | os.PathLike[str]] = []
         lock = threading.Lock()
 
         def work() -> None:
@@ -288,6 +289,8 @@ class StreamingWriter(FileSystemWriter):
                     name, items = files.get_nowait()
                 except queue.Empty:
                     return
+                with lock:
+                    created.append(self.fs.concat_path(self.path, name))
                 try:
                     written = self._write_file(name, items, planner, budget, abort)
                 except BaseException as exc:
@@ -302,19 +305,25 @@ class StreamingWriter(FileSystemWriter):
             threading.Thread(target=work, name="te-ckpt-write", daemon=True)
             for _ in range(min(self.thread_count, len(groups)) - 1)
         ]
-        for thread in threads:
-            thread.start()
         try:
+            for thread in threads:
+                thread.start()
             work()
-        except BaseException:
-            abort.set()
-            raise
-        finally:
             for thread in threads:
                 thread.join()
-        real = [exc for exc in errors if not isinstance(exc, _AbortedError)]
-        if real or errors:
-            raise (real or errors)[0]
+            if errors:
+                real = [exc for exc in errors if not isinstance(exc, _AbortedError)]
+                raise (real or errors)[0]
+        except BaseException:
+            abort.set()
+            for thread in threads:
+                if thread.ident is not None:
+                    thread.join()
+            # No file of a failed write stays behind on this rank, finished or not.
+            for path in created:
+                with contextlib.suppress(OSError):
+                    self.fs.rm_file(path)
+            raise
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
