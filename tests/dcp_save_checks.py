@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
+import socket
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -45,6 +48,7 @@ from te_ckpt_placement.dcp import lazy_state as lazy_state_module
 from .helpers import assert_same_export, bits, local, snapshot
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+GIB = 1 << 30
 BF16, FP16, FP32, FP8 = torch.bfloat16, torch.float16, torch.float32, torch.uint8
 
 
@@ -54,6 +58,12 @@ class Backend:
 
     device: str
     make_optimizer: Callable[..., torch.optim.Optimizer]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def param_dtype(master: str) -> torch.dtype:
@@ -82,11 +92,11 @@ class Case:
             dims,
         )
         torch.manual_seed(seed)
-        layers = [torch.nn.Linear(a, b) for a, b in itertools.pairwise(dims)]
+        # Built where it lives (a large model initializes fast on the GPU); Linear(3, 5) shards
+        # unevenly (3 + 2 rows) on 2 ranks.
+        layers = [torch.nn.Linear(a, b, device=backend.device) for a, b in itertools.pairwise(dims)]
         model = torch.nn.Sequential(*layers).to(param_dtype(master))
-        if mesh is None:
-            model = model.to(backend.device)
-        else:  # Linear(3, 5) shards unevenly (3 + 2 rows) on 2 ranks
+        if mesh is not None:
             fully_shard(model, mesh=mesh)
         self.model = model
         self.opt = backend.make_optimizer(model.parameters(), moments=moments, master=master)
@@ -644,3 +654,136 @@ def check_failed_save(backend: Backend, mesh: DeviceMesh, root: Path) -> None:
     remaining = {p.name for p in path.iterdir() if p.suffix == ".distcp"}
     assert not remaining & files_a, f"{where}: replaced files kept {sorted(remaining & files_a)}"
     assert_loads(case, path, ref_c, f"{where}: next save")
+
+
+# --- memory bounds -----------------------------------------------------------------------------
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peaks(fn: Callable[[], Any]) -> tuple[Any, int, int]:
+    """``fn()``, its CUDA allocation peak (0 without CUDA) and its host RSS peak above the start
+    (sampled every millisecond)."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+        gpu_base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    host_base = peak = rss()
+    stop = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not stop.is_set():
+            peak = max(peak, rss())
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        out = fn()
+        if cuda:
+            torch.cuda.synchronize()
+    finally:
+        stop.set()
+        sampler.join()
+    peak = max(peak, rss())
+    gpu = torch.cuda.max_memory_allocated() - gpu_base if cuda else 0
+    return out, gpu, peak - host_base
+
+
+def check_memory_bounds(
+    backend: Backend, mesh: DeviceMesh, async_pg: Any, root: Path, dims: tuple[int, ...]
+) -> None:
+    """The memory targets, on bf16 Linear layers of ``dims`` (BF16 moments, int16 remainders).
+
+    Streaming save: 0 extra GPU bytes and host RSS growth at most 1 GiB + (threads + 1) x 4 x M
+    (M: the largest local state). Raw-snapshot async save, training during the write: host RSS
+    growth at most raw bytes + 1 GiB + (threads + 1) x 4 x M, the buffers reused by the second
+    save, and 0 GPU bytes for the staging. On 2 GPUs the test uses eight Linear(8192, 8192):
+    32 Mi local elements per weight, a 2.5 GiB FP32 export per rank against a 1.375 GiB bound
+    (2 threads), so holding the export would fail; smaller ``dims`` only run the code paths.
+    """
+    from te_ckpt_placement import release_buffers
+
+    case = Case(backend, mesh, BF16, "remainder", seed=7, dims=dims)
+    case.train(2, seed=8)
+    m = max(local(p).numel() for p in case.model.parameters())
+    raw = raw_bytes(case.opt) + model_bytes(case.model)
+    export_bytes = sum(
+        local(v).numel() * local(v).element_size()
+        for k, v in case.export().items()
+        if k.startswith("state.")
+    )
+    where = f"rank {dist.get_rank()} memory"
+    for threads in (1, 2):
+        bound = GIB + (threads + 1) * 4 * m
+        if min(dims) >= 8192:
+            assert export_bytes > bound, f"{where}: the model is too small to test the bound"
+        ref = case.reference()
+        path = root / f"memory_streaming_{threads}"
+        release_buffers()
+        dist.barrier()
+
+        def save(path: Path = path, threads: int = threads) -> None:
+            dcp.save(
+                {
+                    "model": get_model_state_dict(case.model),
+                    "optim": PlacedOptimizerState(case.model, case.opt, save="streaming"),
+                },
+                storage_writer=StreamingWriter(path, thread_count=threads),
+            )
+
+        _, gpu, host = peaks(save)
+        assert gpu == 0, f"{where} streaming threads={threads}: {gpu} extra GPU bytes"
+        assert host <= bound, f"{where} streaming threads={threads}: host +{host} > {bound}"
+        assert_loads(case, path, ref, f"{where} streaming threads={threads}")
+
+    stager = SnapshotStager()
+    for n in range(2):  # the first save allocates and pins the buffers, the second reuses them
+        bound = raw + GIB + 2 * 4 * m
+        ref = case.reference()
+        path = root / f"memory_snapshot_{n}"
+        writer = StreamingWriter(path, stager=stager)
+        dist.barrier()
+
+        def async_save(path: Path = path, writer: Any = writer, n: int = n) -> None:
+            response = dcp.async_save(
+                {
+                    "model": get_model_state_dict(case.model),
+                    "optim": PlacedOptimizerState(case.model, case.opt, save="streaming"),
+                },
+                storage_writer=writer,
+                process_group=async_pg,
+            )
+            case.train(1, seed=20 + n)  # training while the write runs
+            wait(response)
+
+        _, gpu, host = peaks(async_save)
+        stats = stager.last_stats
+        assert stats is not None and stats.raw_bytes + stats.other_bytes == raw, stats
+        assert n == 0 or stats.allocated_bytes == 0, f"{where}: buffers not reused: {stats}"
+        # The training step itself allocates on the GPU: the save's share is checked apart.
+        assert host <= bound, f"{where} snapshot {n}: host +{host} > {bound}"
+        assert_loads(case, path, ref, f"{where} snapshot {n}")
+        del gpu
+    stager.close()
+
+    # The snapshot itself allocates nothing on the GPU.
+    ref = case.reference()
+    writer = StreamingWriter(root / "memory_snapshot_gpu", stager=SnapshotStager())
+    response, gpu, _ = peaks(
+        lambda: dcp.async_save(
+            {
+                "model": get_model_state_dict(case.model),
+                "optim": PlacedOptimizerState(case.model, case.opt, save="streaming"),
+            },
+            storage_writer=writer,
+            process_group=async_pg,
+        )
+    )
+    wait(response)
+    writer.close()
+    assert gpu == 0, f"{where}: staging took {gpu} GPU bytes"
+    assert_loads(case, root / "memory_snapshot_gpu", ref, f"{where} snapshot gpu")

@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import datetime
 import pickle
-import socket
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -438,12 +437,6 @@ def test_placed_optimizer_state_save_option(tmp_path: Path) -> None:
 
 
 # --- 2 ranks ------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _worker(rank: int, port: int, root: str) -> None:
     import gc
 
@@ -466,6 +459,8 @@ def _worker(rank: int, port: int, root: str) -> None:
         checks.check_snapshot_async(BACKEND, mesh, pgs, base, [(BF16, "remainder"), (FP16, "fp32")])
         checks.check_resharding(BACKEND, mesh, pgs[0], base)
         checks.check_failed_save(BACKEND, mesh, base)
+        # The GPU test's memory check, on a small model: its code paths, not its bounds.
+        checks.check_memory_bounds(BACKEND, mesh, pgs[0], base, dims=(64, 48, 64))
         gc.collect()
     finally:
         dist.destroy_process_group()
@@ -474,6 +469,6 @@ def _worker(rank: int, port: int, root: str) -> None:
 def test_dcp_save_on_two_ranks(tmp_path: Path) -> None:
     import torch.multiprocessing as mp
 
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
-    for ckpt in ("streaming0_2_1", "snapshot1_2", "reshard_async", "failed"):
+    mp.spawn(_worker, args=(checks.free_port(), str(tmp_path)), nprocs=2, join=True)
+    for ckpt in ("streaming0_2_1", "snapshot1_2", "reshard_async", "failed", "memory_snapshot_1"):
         assert (tmp_path / ckpt / ".metadata").is_file(), f"{ckpt}: no checkpoint"
