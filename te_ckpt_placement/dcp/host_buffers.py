@@ -102,7 +102,7 @@ class HostBuffers:
         numel = 1
         for size in shape:
             numel *= size
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         with self._lock:
             candidates = self._kept.setdefault(key, [])
             for buffer in candidates:

@@ -54,7 +54,7 @@ def _item_bytes(item: WriteItem) -> int:
     numel = 1
     for size in sizes:
         numel *= size
-    return numel * torch.empty((), dtype=data.properties.dtype).element_size()
+    return numel * data.properties.dtype.itemsize
 
 
 def _buckets(count: int, items: list[WriteItem]) -> list[list[WriteItem]]:
