@@ -532,6 +532,14 @@ def run_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
                  kept_buffer_bytes=stager.buffer_bytes,
                  train_step_seconds=step_seconds, host_extra_bytes=host_extra,
                  host_bound_bytes=bound, within_host_bound=host_extra <= bound)  # fmt: skip
+            if rank == 0:
+                print(
+                    f"  snapshot save {index}: blocked {result['seconds']:.3f} s, bound "
+                    f"{raw / bandwidth:.3f} s ({raw / 2**30:.2f} GiB at "
+                    f"{bandwidth / 1e9:.1f} GB/s): x{result['seconds'] / (raw / bandwidth):.2f}; "
+                    f"host extra {host_extra / 2**30:.2f} GiB (bound {bound / 2**30:.2f} GiB)",
+                    flush=True,
+                )
             cleanup(path)
         stager.close()
         # The state trained on: later ops compare against it.
@@ -562,6 +570,8 @@ def run_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
                 read_back(path, f"dcp_save {mode}")
                 read_back_te(path, f"dcp_save {mode}")
                 bound = GIB + (threads + 1) * 4 * m_local
+                if rank == 0:
+                    print(f"  streaming save: host bound {bound / 2**30:.2f} GiB", flush=True)
                 keep("dcp_save", mode, result, cpu_offload=False, writer_threads=threads,
                      host_bound_bytes=bound,
                      within_host_bound=result["peak_extra_host_bytes"] <= bound)  # fmt: skip

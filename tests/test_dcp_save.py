@@ -470,5 +470,5 @@ def test_dcp_save_on_two_ranks(tmp_path: Path) -> None:
     import torch.multiprocessing as mp
 
     mp.spawn(_worker, args=(checks.free_port(), str(tmp_path)), nprocs=2, join=True)
-    for ckpt in ("streaming0_2_1", "snapshot1_2", "reshard_async", "failed", "memory_snapshot_1"):
+    for ckpt in ("streaming0_2_1", "snapshot1_2", "reshard_async", "failed", "stock_0"):
         assert (tmp_path / ckpt / ".metadata").is_file(), f"{ckpt}: no checkpoint"

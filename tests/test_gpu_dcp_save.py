@@ -83,5 +83,5 @@ def test_dcp_save_with_te_on_two_gpus(tmp_path: Path) -> None:
     from .dcp_save_checks import free_port
 
     mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
-    for ckpt in ("streaming2_2_1", "snapshot2_2", "reshard_async", "memory_snapshot_1"):
+    for ckpt in ("streaming2_2_1", "snapshot2_2", "reshard_async", "stock_0"):
         assert (tmp_path / ckpt / ".metadata").is_file(), f"{ckpt}: no checkpoint"

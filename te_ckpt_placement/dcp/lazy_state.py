@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from .. import engine
 from ..policy import Placement, as_placement, export_placement
@@ -162,7 +163,7 @@ class LazyState(torch.Tensor):
     """
 
     _source: engine.StateSource
-    _twin: torch.Tensor
+    _spec: DTensorSpec | None
     _device: torch.device
     _reuse_buffers: bool
     _ledger: _Ledger
@@ -172,18 +173,19 @@ class LazyState(torch.Tensor):
     def __new__(
         cls,
         source: engine.StateSource,
-        twin: torch.Tensor,
+        shape: torch.Size,
+        dtype: torch.dtype,
+        spec: DTensorSpec | None,
         *,
         device: torch.device,
         reuse_buffers: bool,
         ledger: _Ledger,
     ) -> LazyState:
-        local = twin._local_tensor if isinstance(twin, DTensor) else twin
         self = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
-            cls, local.shape, dtype=local.dtype, device=torch.device("cpu"), requires_grad=False
+            cls, shape, dtype=dtype, device=torch.device("cpu"), requires_grad=False
         )
         self._source = source
-        self._twin = twin
+        self._spec = spec  # of the DTensor wrapping this local tensor, None for a plain one
         self._device = device
         self._reuse_buffers = reuse_buffers
         self._ledger = ledger
@@ -229,8 +231,14 @@ class LazyState(torch.Tensor):
 
     @property
     def twin(self) -> torch.Tensor:
-        """A meta tensor (or meta-local DTensor) with the exported tensor's metadata."""
-        return self._twin
+        """A meta tensor (meta-local DTensor) with the exported tensor's metadata, for planning.
+
+        Built when DCP plans, which an async save does in its background thread.
+        """
+        meta = torch.empty(self.shape, dtype=self.dtype, device="meta")
+        if self._spec is None:
+            return meta
+        return DTensor(meta, self._spec, requires_grad=False)  # type: ignore[call-arg]
 
     def produce(self) -> torch.Tensor:
         """The exported host tensor, fresh on every call, as the streaming export makes it."""
@@ -243,7 +251,9 @@ class LazyState(torch.Tensor):
         """The same placeholder reading from ``source`` (a host snapshot)."""
         return LazyState(
             source,
-            self._twin,
+            self.shape,
+            self.dtype,
+            self._spec,
             device=torch.device("cpu"),
             reuse_buffers=self._reuse_buffers,
             ledger=ledger,
@@ -251,8 +261,9 @@ class LazyState(torch.Tensor):
 
     # --- DCP's _Checkpointable protocol (DTensor forwards to its local tensor) ---------------
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
-        if isinstance(self._twin, DTensor):
-            return self._twin.__create_write_items__(fqn, self._twin)  # type: ignore[no-any-return]
+        twin = self.twin
+        if isinstance(twin, DTensor):
+            return twin.__create_write_items__(fqn, twin)  # type: ignore[no-any-return]
         offsets = torch.Size([0] * self.dim())
         return [
             WriteItem(
@@ -260,7 +271,7 @@ class LazyState(torch.Tensor):
                 type=WriteItemType.TENSOR,
                 tensor_data=TensorWriteData(
                     chunk=ChunkStorageMetadata(offsets=offsets, sizes=self.size()),
-                    properties=TensorProperties.create_from_tensor(self._twin),
+                    properties=TensorProperties.create_from_tensor(twin),
                     size=self.size(),
                 ),
             )
@@ -271,8 +282,9 @@ class LazyState(torch.Tensor):
         # current value as the export template would (kept for keys a partial load skips).
         if self._target is None:
             self._target = self.produce()
-        if isinstance(self._twin, DTensor):
-            return self._twin.__create_chunk_list__()  # type: ignore[no-any-return]
+        twin = self.twin
+        if isinstance(twin, DTensor):
+            return twin.__create_chunk_list__()  # type: ignore[no-any-return]
         return [ChunkStorageMetadata(offsets=torch.Size([0] * self.dim()), sizes=self.size())]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
@@ -321,8 +333,17 @@ def production_stats(state_dict: Any) -> ProductionStats | None:
 
 
 def rewrap(local: torch.Tensor, like: Any) -> torch.Tensor:
-    """``local`` in place of ``like``'s local tensor (a CPU-local DTensor) or as it is."""
-    return engine.to_cpu_dtensor(local, like) if isinstance(like, DTensor) else local
+    """``local`` in place of ``like``'s local tensor (a CPU-local DTensor) or as it is.
+
+    ``like``'s spec is shared, not rebuilt (building one costs about 20 us, which adds up over
+    thousands of states on the path an async save blocks training on).
+    """
+    if not isinstance(like, DTensor):
+        return local
+    meta = like._spec.tensor_meta
+    if meta is not None and meta.dtype != local.dtype:
+        return engine.to_cpu_dtensor(local, like)
+    return DTensor(local, like._spec, requires_grad=False)  # type: ignore[call-arg]
 
 
 def resolve_loaded(state_dict: Any) -> Any:
@@ -357,17 +378,29 @@ def _placeholder(
     source: engine.StateSource,
     placement: Placement,
     ledger: _Ledger,
+    specs: dict[torch.dtype, DTensorSpec],
 ) -> torch.Tensor:
     dtype = _output_dtype(source)
     local_param = local_of(param)
     shape = source.data.shape if source.data is not None else local_param.shape
     device = source.data.device if source.data is not None else local_param.device
-    meta = torch.empty(shape, dtype=dtype, device="meta")
-    twin = engine.to_cpu_dtensor(meta, param) if isinstance(param, DTensor) else meta
+    spec = specs.get(dtype)
     lazy = LazyState(
-        source, twin, device=device, reuse_buffers=placement.reuse_buffers, ledger=ledger
+        source,
+        shape,
+        dtype,
+        spec,
+        device=device,
+        reuse_buffers=placement.reuse_buffers,
+        ledger=ledger,
     )
-    return rewrap(lazy, param)
+    if not isinstance(param, DTensor):
+        return lazy
+    if spec is None:  # the export's spec for this dtype, shared by the param's other states
+        wrapped = engine.to_cpu_dtensor(lazy, param)
+        specs[dtype] = lazy._spec = wrapped._spec
+        return wrapped
+    return DTensor(lazy, spec, requires_grad=False)  # type: ignore[call-arg]
 
 
 def _lazy_optimizer_state_dict(optimizer: Any, placement: Placement, ledger: _Ledger) -> StateDict:
@@ -388,8 +421,10 @@ def _lazy_optimizer_state_dict(optimizer: Any, placement: Placement, ledger: _Le
         for key, param, stored in engine.iter_exportable(state_dict, optimizer.param_groups)
     ]
     for key, param, sources in plan:
+        specs: dict[torch.dtype, DTensorSpec] = {}  # per param: one per exported dtype
         state_dict["state"][key] = {
-            name: _placeholder(param, source, placement, ledger) for name, source in sources.items()
+            name: _placeholder(param, source, placement, ledger, specs)
+            for name, source in sources.items()
         }
     return state_dict
 

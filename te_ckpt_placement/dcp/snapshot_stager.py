@@ -121,7 +121,7 @@ class _Snapshot:
             local = obj._local_tensor if isinstance(obj, DTensor) else obj
             host = self.copy(local, path)
             self.other_bytes += _nbytes(host)
-            return engine.to_cpu_dtensor(host, obj) if isinstance(obj, DTensor) else host
+            return rewrap(host, obj)
         if isinstance(obj, dict):
             new = copy.copy(obj)
             for key, value in obj.items():
