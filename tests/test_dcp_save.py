@@ -147,6 +147,16 @@ def test_lazy_state_dict_options_and_structure() -> None:
         lazy_optimizer_state_dict(case.model, case.opt, options={"x": 1})  # type: ignore[arg-type]
 
 
+def test_lazy_state_dict_refuses_fsdp1(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    case = plain_case(BF16, "fp32")
+    # Building an FSDP1 model needs a process group; what the check asks torch is faked.
+    monkeypatch.setattr(FullyShardedDataParallel, "fsdp_modules", lambda module: [module])
+    with pytest.raises(ValueError, match="FSDP1"):
+        lazy_optimizer_state_dict(case.model, case.opt)
+
+
 def test_lazy_state_refuses_what_it_cannot_do() -> None:
     case = plain_case(FP16, "fp32")
     lazy = lazy_optimizer_state_dict(case.model, case.opt, options=FLAT)

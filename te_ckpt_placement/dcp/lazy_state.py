@@ -487,8 +487,9 @@ def lazy_optimizer_state_dict(
             its ``conversion`` and ``reuse_buffers`` apply when the states are produced.
 
     Raises:
-        ValueError: for ``full_state_dict=True``, a placement that does not stream, or a state
-            the streaming export cannot describe (before anything is produced).
+        ValueError: for ``full_state_dict=True``, a placement that does not stream, an FSDP1
+            model, or a state the streaming export cannot describe (before anything is
+            produced).
         te_ckpt_placement.ContractError: a TE optimizer lacks what the export relies on.
     """
     resolved = as_placement(placement)
@@ -509,6 +510,15 @@ def lazy_optimizer_state_dict(
             "unsupported options: full_state_dict=True; a streaming save writes each rank's "
             "shards as they are produced (valid: full_state_dict=False). DCP reshards sharded "
             "checkpoints on load, to any world size"
+        )
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if FullyShardedDataParallel.fsdp_modules(model):
+        raise ValueError(
+            "unsupported model: FSDP1 (FullyShardedDataParallel) rewrites the optimizer state "
+            "dict through its flat parameters, which needs the states' data; valid models for "
+            "a streaming save have FSDP2 (fully_shard), DTensor or plain parameters. Export with "
+            "export_placement('cpu') instead"
         )
     optims = (optimizers,) if isinstance(optimizers, torch.optim.Optimizer) else tuple(optimizers)
     ledger = _Ledger()
