@@ -139,11 +139,12 @@ class _Ledger:
             )
 
 
-def _device_context(device: torch.device) -> contextlib.AbstractContextManager[Any]:
-    # Writer threads start on CUDA device 0; TE's conversions launch on the current device.
-    if device.type == "cuda":
-        return torch.cuda.device(device)
-    return contextlib.nullcontext()
+def _stream_context(stream: Any) -> contextlib.AbstractContextManager[Any]:
+    # Production runs in writer threads, whose current CUDA device is 0 and whose current stream
+    # is the default one. Producing on the stream that was current where the state dict was
+    # made (with its device) orders the reads after the step that wrote the states, as the
+    # export in that thread would.
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 def _output_dtype(source: engine.StateSource) -> torch.dtype:
@@ -164,7 +165,7 @@ class LazyState(torch.Tensor):
 
     _source: engine.StateSource
     _spec: DTensorSpec | None
-    _device: torch.device
+    _stream: Any  # torch.cuda.Stream of the creating thread, for CUDA sources
     _reuse_buffers: bool
     _ledger: _Ledger
     _target: torch.Tensor | None
@@ -186,7 +187,7 @@ class LazyState(torch.Tensor):
         )
         self._source = source
         self._spec = spec  # of the DTensor wrapping this local tensor, None for a plain one
-        self._device = device
+        self._stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         self._reuse_buffers = reuse_buffers
         self._ledger = ledger
         self._target = None
@@ -242,7 +243,7 @@ class LazyState(torch.Tensor):
 
     def produce(self) -> torch.Tensor:
         """The exported host tensor, fresh on every call, as the streaming export makes it."""
-        with _device_context(self._device):
+        with _stream_context(self._stream):
             out = engine.materialize(self._source, reuse_buffers=self._reuse_buffers)
         self._ledger.record(out)
         return out

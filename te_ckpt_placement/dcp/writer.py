@@ -23,6 +23,7 @@ import warnings
 from collections.abc import Iterator
 from io import UnsupportedOperation
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import (
@@ -74,13 +75,19 @@ def _buckets(count: int, items: list[WriteItem]) -> list[list[WriteItem]]:
     return [bucket for bucket in buckets if bucket]
 
 
-def _host_tensor(data: torch.Tensor) -> torch.Tensor:
-    """A host tensor that owns exactly its bytes (``torch.save`` writes a view's whole storage)."""
+def _host_tensor(data: torch.Tensor, stream: Any) -> torch.Tensor:
+    """A host tensor that owns exactly its bytes (``torch.save`` writes a view's whole storage).
+
+    A CUDA tensor is read on ``stream`` (the caller's of ``dcp.save``, on its device), so the
+    copy comes after what that stream queued.
+    """
     data = data.detach()
     if data.device.type != "cpu":
         # Through the engine's pinned ring: no device memory, a fresh host tensor.
-        device = data.device
-        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        on_stream = stream is not None and stream.device == data.device
+        context = torch.cuda.stream(stream) if on_stream else contextlib.nullcontext()
+        device = torch.cuda.device(data.device) if data.device.type == "cuda" else None
+        with context, device if device is not None else contextlib.nullcontext():
             return engine.materialize(engine.StateSource(kind="copy", data=data))
     if data.untyped_storage().nbytes() != data.numel() * data.element_size():
         return data.clone()
@@ -101,8 +108,10 @@ class _Production:
         budget: threading.Semaphore,
         lookahead: int,
         abort: threading.Event,
+        stream: Any,
     ) -> None:
         self.planner = planner
+        self.stream = stream
         self.items = items
         self.budget = budget
         self.mine = threading.Semaphore(1 + lookahead)
@@ -136,7 +145,7 @@ class _Production:
                             f"the planner resolved tensor item {item.index.fqn!r} to "
                             f"{type(data).__name__}, not a tensor"
                         )
-                    self.ready.put((item, _host_tensor(data)))
+                    self.ready.put((item, _host_tensor(data, self.stream)))
                     del data
                 except BaseException as exc:
                     self._release()
@@ -278,6 +287,12 @@ class StreamingWriter(FileSystemWriter):
 
         budget = threading.Semaphore(self.thread_count + self.lookahead)
         abort = threading.Event()
+        # GPU tensors in the plan are read after what the caller's stream has queued.
+        stream = (
+            torch.cuda.current_stream()
+            if torch.cuda.is_available() and torch.cuda.is_initialized()
+            else None
+        )
         results: list[WriteResult] = []
         errors: list[BaseException] = []
         created: list[str | os.PathLike[str]] = []
@@ -292,7 +307,7 @@ class StreamingWriter(FileSystemWriter):
                 with lock:
                     created.append(self.fs.concat_path(self.path, name))
                 try:
-                    written = self._write_file(name, items, planner, budget, abort)
+                    written = self._write_file(name, items, planner, budget, abort, stream)
                 except BaseException as exc:
                     abort.set()
                     with lock:
@@ -335,11 +350,12 @@ class StreamingWriter(FileSystemWriter):
         planner: SavePlanner,
         budget: threading.Semaphore,
         abort: threading.Event,
+        stream: Any,
     ) -> list[WriteResult]:
         written: list[WriteResult] = []
         byte_items = [item for item in items if item.type == WriteItemType.BYTE_IO]
         tensor_items = [item for item in items if item.type != WriteItemType.BYTE_IO]
-        production = _Production(planner, tensor_items, budget, self.lookahead, abort)
+        production = _Production(planner, tensor_items, budget, self.lookahead, abort, stream)
         path = self.fs.concat_path(self.path, name)
         try:
             with self.fs.create_stream(path, "wb") as stream:
