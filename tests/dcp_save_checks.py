@@ -325,8 +325,15 @@ def rank() -> int:
 
 
 # --- 1. the streaming synchronous save ---------------------------------------------------------
+WRITER_CONFIGS = ((1, True), (2, True), (2, False))  # (thread_count, single_file_per_rank)
+
+
 def check_streaming_save(
-    backend: Backend, mesh: DeviceMesh, root: Path, modes: list[tuple[torch.dtype, str]]
+    backend: Backend,
+    mesh: DeviceMesh,
+    root: Path,
+    modes: list[tuple[torch.dtype, str]],
+    configs: tuple[tuple[int, bool], ...] = WRITER_CONFIGS,
 ) -> None:
     """Lazy dicts written by StreamingWriter (1 and 2 threads, one file per rank or per item):
     nothing produced before the write, each state produced once, at most threads + 1 alive,
@@ -338,7 +345,7 @@ def check_streaming_save(
         ref = case.reference()
         export = case.export()
         before = snapshot(case.opt)
-        for threads, single in ((1, True), (2, True), (2, False)):
+        for threads, single in configs:
             label = f"{where} threads={threads} single_file={single}"
             lazy = case.lazy()
             assert_lazy_like(lazy, export, label)
@@ -432,8 +439,9 @@ def check_snapshot_async(
     async_pgs: tuple[Any, Any],
     root: Path,
     modes: list[tuple[torch.dtype, str]],
+    saves: int = 3,
 ) -> None:
-    """Three repeated async saves per mode through StreamingWriter's SnapshotStager, training a
+    """Repeated async saves per mode through StreamingWriter's SnapshotStager, training a
     step while each write waits: the files hold TE's export at the save point, only raw bytes
     are staged, and from the second save on every buffer is reused. Then two saves in flight at
     once: the second never overwrites the first's buffers."""
@@ -443,7 +451,7 @@ def check_snapshot_async(
         case = Case(backend, mesh, moments, master, seed=50 + i)
         case.train(2, seed=60 + i)
         stager = SnapshotStager()
-        for n in range(3):
+        for n in range(saves):
             label = f"{where} save {n}"
             ref = case.reference()
             path = root / f"snapshot{i}_{n}"
