@@ -20,6 +20,25 @@ For each operation it compares the path users run today with the policy:
   ``planner=StreamingLoadPlanner(state)`` reads every item straight into the live states
   (:func:`streaming_load`).
 
+Two opt-in paths of te_ckpt_placement.dcp (docs/dcp.md) get modes of their own:
+
+- ``dcp_save`` ``placement_cpu_streaming``: ``PlacedOptimizerState(save="streaming")`` written by
+  ``StreamingWriter(thread_count=--writer-threads)``: each state is produced (D2H of its raw
+  bytes, host conversion) when the writer asks for it and dropped once written. Records
+  ``writer_threads``, ``host_bound_bytes`` = 1 GiB + (writer_threads + 1) x 4 x ``max_elements``.
+- ``dcp_async_save`` ``placement_cpu_snapshot``: the same through ``dcp.async_save``, staged by
+  ``StreamingWriter``'s ``SnapshotStager`` (raw stored bytes and weights into reused pinned
+  buffers; the FP32 conversion runs in the background write). ``--snapshot-saves`` saves in a
+  row (``save_index`` 0 is the first, which allocates and pins the buffers), each followed by a
+  training step while the write runs, each checkpoint compared with the export at its save point.
+  Records ``blocked_seconds`` (from building the state dict until ``async_save`` returns),
+  ``raw_bytes`` (R_optimizer + R_model), ``d2h_bytes_per_s`` (B_d2h: the best of 5 concurrent
+  device-to-host copies of 1 GiB into pinned memory on both ranks, measured in the same run),
+  ``bound_seconds`` = raw_bytes / d2h_bytes_per_s, ``host_extra_bytes`` (the RSS peak above the
+  start of the first snapshot save) and ``host_bound_bytes`` = raw_bytes + 1 GiB +
+  (writer_threads + 1) x 4 x ``max_elements``.
+
+The new modes' checkpoints are also read into templates of TE's own (GPU) export.
 Every checkpoint is read back and compared bit for bit with an export first checked against
 TE's own ``get_unscaled_state``, and every load must leave the optimizer exactly as it was when
 the checkpoint was written; numbers are kept only after that. ``seconds`` is the time the training
@@ -31,8 +50,11 @@ loop is blocked (for ``dcp_async_save``: until ``async_save`` returns, i.e. expo
 Usage (from the repository root, on a machine with 2 GPUs and Transformer Engine):
     torchrun --nproc_per_node=2 benchmarks/dcp_e2e.py --out FILE.json
     python benchmarks/dcp_e2e.py --out FILE.json        # spawns the 2 ranks itself
+    python benchmarks/dcp_e2e.py --cpu-smoke            # anywhere: the CPU stand-in of TE on
+                                                        # 2 gloo ranks, a tiny model (no numbers)
 
-Without 2 CUDA GPUs and Transformer Engine it says what it needs and exits with status 2.
+Without 2 CUDA GPUs and Transformer Engine (and without --cpu-smoke) it says what it needs and
+exits with status 2.
 """
 
 from __future__ import annotations
@@ -59,15 +81,34 @@ WORLD = 2
 MOMENTS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.uint8, "fp32": torch.float32}
 OPS = ("dcp_save", "dcp_async_save", "dcp_load", "full_state_dict")
 MODES = {
-    "dcp_save": ("te_default", "placement_cpu"),
+    "dcp_save": ("te_default", "placement_cpu", "placement_cpu_streaming"),
     "full_state_dict": ("te_default", "placement_cpu"),
-    "dcp_async_save": ("te_default", "placement_cpu", "placement_cpu_passthrough_stager"),
+    # placement_cpu_snapshot trains during its writes: it runs last.
+    "dcp_async_save": (
+        "te_default",
+        "placement_cpu",
+        "placement_cpu_passthrough_stager",
+        "placement_cpu_snapshot",
+    ),
     # placement_cpu_streaming before placement_cpu: its host peak is measured from a heap that
     # has not just held the template path's host template.
     "dcp_load": ("te_default", "placement_cpu_streaming", "placement_cpu"),
 }
 # (layers, hidden): bf16 Linear(hidden, hidden) layers without bias, fully_shard'ed per layer.
-SIZES = {"small": (4, 4096), "default": (16, 8192), "large": (32, 8192)}
+SIZES = {"small": (4, 4096), "default": (16, 8192), "large": (32, 8192), "smoke": (3, 64)}
+GIB = 1 << 30
+
+#: --cpu-smoke: the CPU stand-in of TE FusedAdam on 2 gloo ranks (set in each rank).
+SMOKE = False
+
+
+def device() -> str:
+    return "cpu" if SMOKE else "cuda"
+
+
+def synchronize() -> None:
+    if not SMOKE:
+        torch.cuda.synchronize()
 
 
 def _ensure_root_on_path() -> None:
@@ -80,7 +121,25 @@ def _measured(result: dict[str, Any]) -> Any:
     _ensure_root_on_path()
     from benchmarks.export_memory import measured
 
-    return measured(result)
+    return _measured_on_cpu(result) if SMOKE else measured(result)
+
+
+@contextlib.contextmanager
+def _measured_on_cpu(result: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """``export_memory.measured`` without a GPU: the GPU peak is 0 by construction."""
+    from benchmarks.export_memory import HostPeak, rss
+
+    gc.collect()
+    host_base = rss()
+    with HostPeak() as host:
+        start = time.perf_counter()
+        result["_start"] = start
+        yield result
+        result["seconds_total"] = time.perf_counter() - start
+    result.setdefault("seconds", result["seconds_total"])
+    result["peak_extra_gpu_bytes"] = 0
+    result["peak_extra_host_bytes"] = host.peak - host_base
+    del result["_start"]
 
 
 def requirements_missing() -> str | None:
@@ -105,12 +164,16 @@ def build(
     FP32 masters are kept as int16 remainders for BF16 moments, unless ``remainders=False``.
     """
     from torch.distributed.fsdp import fully_shard
-    from transformer_engine.pytorch.optimizers import FusedAdam
+
+    if SMOKE:
+        from tests.standin import StandInFusedAdam as FusedAdam
+    else:
+        from transformer_engine.pytorch.optimizers import FusedAdam
 
     torch.manual_seed(seed)  # the same full weights on every rank; fully_shard keeps its shard
     model = torch.nn.Sequential(
         *[torch.nn.Linear(hidden, hidden, bias=False) for _ in range(layers)]
-    ).to(device="cuda", dtype=torch.bfloat16)
+    ).to(device=device(), dtype=torch.bfloat16)
     for layer in model:
         fully_shard(layer)
     fully_shard(model)
@@ -128,11 +191,11 @@ def build(
 
 
 def train_step(model: Any, opt: Any, hidden: int) -> None:
-    x = torch.randn(8, hidden, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(8, hidden, device=device(), dtype=torch.bfloat16)
     model(x).float().pow(2).mean().backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
+    synchronize()
 
 
 def local(t: Any) -> torch.Tensor:
@@ -266,6 +329,51 @@ def wait(response: Any) -> None:
         response.result()
 
 
+def optimizer_raw_bytes(opt: Any) -> int:
+    """R_optimizer: the stored bytes of every local state, and the FP32 factor each FP16 state
+    (``_scales``) or FP8 state (``_scale_inv``) is converted with: what the snapshot copies."""
+    raw = 0
+    for param, states in opt.state.items():
+        for name, value in states.items():
+            stored = local(value)
+            data = getattr(stored, "_data", stored)
+            raw += data.numel() * data.element_size()
+            if hasattr(stored, "_scale_inv"):
+                raw += stored._scale_inv.numel() * stored._scale_inv.element_size()
+            elif data.dtype == torch.float16:
+                scale = opt._scales[param][name]
+                raw += scale.numel() * scale.element_size()
+    return raw
+
+
+def model_raw_bytes(model: Any) -> int:
+    """R_model: the local bytes of every weight."""
+    return sum(local(p).numel() * local(p).element_size() for p in model.parameters())
+
+
+def d2h_bytes_per_s(nbytes: int = GIB, trials: int = 5) -> float:
+    """B_d2h: the best of ``trials`` device-to-host copies of ``nbytes`` into pinned memory,
+    every rank copying at the same time (as an async save's staging does)."""
+    import torch.distributed as dist
+
+    if SMOKE:  # host memory bandwidth, for the record
+        src = torch.empty(nbytes // 16, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+    else:
+        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    best = 0.0
+    for _ in range(trials):
+        synchronize()
+        dist.barrier()
+        start = time.perf_counter()
+        dst.copy_(src, non_blocking=not SMOKE)
+        synchronize()
+        best = max(best, src.numel() / (time.perf_counter() - start))
+    del src, dst
+    return best
+
+
 def run_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -280,7 +388,13 @@ def run_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
     from te_ckpt_placement import export_placement, install, release_buffers
 
     rank = dist.get_rank()
-    install()
+    if SMOKE:
+        from te_ckpt_placement import te_hooks
+        from tests.standin import StandInFusedAdam
+
+        te_hooks.patch_class(StandInFusedAdam)  # the stand-in follows the policy, as TE does
+    else:
+        install()
     layers, hidden = SIZES[args.size]
     moments = MOMENTS[args.moments]
     model, opt = build(layers, hidden, moments, seed=0)
@@ -304,20 +418,24 @@ def run_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
             shutil.rmtree(path, ignore_errors=True)
         release_buffers()
         gc.collect()
-        torch.cuda.empty_cache()
+        if not SMOKE:
+            torch.cuda.empty_cache()
         dist.barrier()
 
-    # The reference: the policy's export, checked against TE's own conversion, and the weights.
-    with export_placement("cpu"):
-        reference_export = get_optimizer_state_dict(model, opt, options=placed)
-    verify_against_te(reference_export, model, opt)
-    reference = {f"optim.{k}": host_bits(v).clone() if isinstance(v, torch.Tensor) else v
-                 for k, v in reference_export.items()}  # fmt: skip
-    reference.update(
-        {f"model.{k}": host_bits(v).clone() for k, v in get_model_state_dict(model).items()}
-    )
-    del reference_export
-    before = fingerprint(model, opt)
+    def take_reference() -> tuple[dict[str, Any], dict[str, Any]]:
+        """The policy's export, checked against TE's own conversion, the weights, and the
+        fingerprint of the live state: what a checkpoint taken now must hold."""
+        with export_placement("cpu"):
+            reference_export = get_optimizer_state_dict(model, opt, options=placed)
+        verify_against_te(reference_export, model, opt)
+        reference = {f"optim.{k}": host_bits(v).clone() if isinstance(v, torch.Tensor) else v
+                     for k, v in reference_export.items()}  # fmt: skip
+        reference.update(
+            {f"model.{k}": host_bits(v).clone() for k, v in get_model_state_dict(model).items()}
+        )
+        return reference, fingerprint(model, opt)
+
+    reference, before = take_reference()
 
     def read_back(path: str, where: str) -> None:
         """The checkpoint at ``path`` holds the reference bits (read into a host template)."""
@@ -332,6 +450,26 @@ def run_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
         flat.update({f"model.{k}": v for k, v in state["model"].items()})
         assert_same_bits(flat, reference, where)
         del state, flat, template, model_template
+
+    def read_back_te(path: str, where: str) -> None:
+        """The checkpoint loads into templates shaped like TE's own export (on the GPU), as a
+        user without te_ckpt_placement loads it, and holds the reference bits."""
+        te_export = get_optimizer_state_dict(model, opt, options=placed)  # no policy: TE's
+        # Empty look-alikes: TE's FP32 and int16 exports alias the live states.
+        template = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v
+                    for k, v in te_export.items()}  # fmt: skip
+        del te_export
+        model_template = {k: torch.empty_like(v) for k, v in get_model_state_dict(model).items()}
+        state = {"model": model_template, "optim": template}
+        blank(state)
+        dcp.load(state, checkpoint_id=path)
+        flat = {f"optim.{k}": v for k, v in state["optim"].items()}
+        flat.update({f"model.{k}": v for k, v in state["model"].items()})
+        assert_same_bits(flat, reference, f"{where} (TE template)")
+        del state, flat, template, model_template
+        gc.collect()
+        if not SMOKE:
+            torch.cuda.empty_cache()
 
     base = {
         "moments": args.moments,
@@ -367,11 +505,106 @@ def run_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
     dcp.save({"x": torch.ones(4)}, checkpoint_id=warm)
     cleanup(warm)
 
+    def snapshot_saves(
+        args: argparse.Namespace, async_pg: Any, checkpoint_dir: Any, cleanup: Any
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``--snapshot-saves`` raw-snapshot async saves in a row, a training step during each
+        write; returns the reference and fingerprint of the state after the last step."""
+        from benchmarks.export_memory import rss
+        from te_ckpt_placement.dcp import PlacedOptimizerState, SnapshotStager, StreamingWriter
+
+        nonlocal reference
+        mode = "placement_cpu_snapshot"
+        threads = args.writer_threads
+        bandwidth = d2h_bytes_per_s()
+        stager = SnapshotStager()
+        first_start = 0
+        for index in range(args.snapshot_saves):
+            reference, _ = take_reference()  # what this checkpoint must hold
+            raw = optimizer_raw_bytes(opt) + model_raw_bytes(model)
+            path = checkpoint_dir(f"async_{mode}_{index}")
+            result: dict[str, Any] = {}
+            gc.collect()
+            start = rss()  # from the second save on, the kept buffers are part of it
+            first_start = first_start or start
+            with _measured(result):
+                response = dcp.async_save(
+                    {
+                        "model": get_model_state_dict(model),
+                        "optim": PlacedOptimizerState(model, opt, save="streaming"),
+                    },
+                    storage_writer=StreamingWriter(path, thread_count=threads, stager=stager),
+                    process_group=async_pg,
+                )
+                if hasattr(response, "staging_completion"):
+                    response.staging_completion.result()
+                result["seconds"] = time.perf_counter() - result["_start"]
+                step_start = time.perf_counter()
+                train_step(model, opt, hidden)  # training goes on while the write runs
+                step_seconds = time.perf_counter() - step_start
+                wait(response)
+            stats = stager.last_stats
+            assert stats is not None
+            assert stats.raw_bytes + stats.other_bytes == raw, (stats, raw)
+            read_back(path, f"dcp_async_save {mode} {index}")  # the state at the save point
+            read_back_te(path, f"dcp_async_save {mode} {index}")
+            host_extra = start - first_start + result["peak_extra_host_bytes"]
+            bound = raw + GIB + (threads + 1) * 4 * m_local
+            keep("dcp_async_save", mode, result, cpu_offload=False, writer_threads=threads,
+                 save_index=index, first_save=index == 0, blocked_seconds=result["seconds"],
+                 raw_bytes=raw, optimizer_raw_bytes=optimizer_raw_bytes(opt),
+                 model_raw_bytes=model_raw_bytes(model), d2h_bytes_per_s=bandwidth,
+                 bound_seconds=raw / bandwidth,
+                 blocked_over_bound=result["seconds"] / (raw / bandwidth),
+                 staging_seconds=stats.seconds, allocated_buffer_bytes=stats.allocated_bytes,
+                 kept_buffer_bytes=stager.buffer_bytes,
+                 train_step_seconds=step_seconds, host_extra_bytes=host_extra,
+                 host_bound_bytes=bound, within_host_bound=host_extra <= bound)  # fmt: skip
+            if rank == 0:
+                print(
+                    f"  snapshot save {index}: blocked {result['seconds']:.3f} s, bound "
+                    f"{raw / bandwidth:.3f} s ({raw / 2**30:.2f} GiB at "
+                    f"{bandwidth / 1e9:.1f} GB/s): x{result['seconds'] / (raw / bandwidth):.2f}; "
+                    f"host extra {host_extra / 2**30:.2f} GiB (bound {bound / 2**30:.2f} GiB)",
+                    flush=True,
+                )
+            cleanup(path)
+        stager.close()
+        # The state trained on: later ops compare against it.
+        return take_reference()
+
     ops = [op for op in args.ops.split(",") if op]
+    threads = args.writer_threads
+
+    def modes(op: str) -> list[str]:
+        return [m for m in MODES[op] if not args.modes or m in args.modes.split(",")]
+
     if "dcp_save" in ops:
-        for mode in MODES["dcp_save"]:
+        for mode in modes("dcp_save"):
             path = checkpoint_dir(f"save_{mode}")
             result: dict[str, Any] = {}
+            if mode == "placement_cpu_streaming":
+                from te_ckpt_placement.dcp import PlacedOptimizerState, StreamingWriter
+
+                # The state dict holds lazy states; each is produced when the writer asks.
+                with _measured(result):
+                    dcp.save(
+                        {
+                            "model": get_model_state_dict(model),
+                            "optim": PlacedOptimizerState(model, opt, save="streaming"),
+                        },
+                        storage_writer=StreamingWriter(path, thread_count=threads),
+                    )
+                read_back(path, f"dcp_save {mode}")
+                read_back_te(path, f"dcp_save {mode}")
+                bound = GIB + (threads + 1) * 4 * m_local
+                if rank == 0:
+                    print(f"  streaming save: host bound {bound / 2**30:.2f} GiB", flush=True)
+                keep("dcp_save", mode, result, cpu_offload=False, writer_threads=threads,
+                     host_bound_bytes=bound,
+                     within_host_bound=result["peak_extra_host_bytes"] <= bound)  # fmt: skip
+                cleanup(path)
+                continue
             with _measured(result):
                 policy = (
                     export_placement("cpu") if mode == "placement_cpu" else contextlib.nullcontext()
@@ -383,11 +616,14 @@ def run_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
                 dcp.save({"model": get_model_state_dict(model), "optim": optim}, checkpoint_id=path)
                 del optim
             read_back(path, f"dcp_save {mode}")  # before the numbers are kept
-            keep("dcp_save", mode, result, cpu_offload=mode == "te_default")
+            keep("dcp_save", mode, result, cpu_offload=mode == "te_default", writer_threads=1)
             cleanup(path)
 
     if "dcp_async_save" in ops:
-        for mode in MODES["dcp_async_save"]:
+        for mode in modes("dcp_async_save"):
+            if mode == "placement_cpu_snapshot":
+                reference, before = snapshot_saves(args, async_pg, checkpoint_dir, cleanup)
+                continue
             path = checkpoint_dir(f"async_{mode}")
             stager = counting_pass_through() if mode.endswith("passthrough_stager") else None
             result = {}
@@ -474,7 +710,8 @@ def run_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
         # group: Short", seen on 2xH200 with TE's own export first). FP32 masters here.
         del model, opt
         gc.collect()
-        torch.cuda.empty_cache()
+        if not SMOKE:
+            torch.cuda.empty_cache()
         model, opt = build(layers, hidden, moments, seed=0, remainders=False)
         base = {**base, "masters": "fp32"}
         largest = max(p.numel() for p in model.parameters()) * 4  # one global FP32 state
@@ -506,14 +743,32 @@ def run_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
     return records
 
 
+def smoke_machine() -> dict[str, Any]:
+    import platform
+
+    return {
+        "gpu": None,
+        "torch": torch.__version__,
+        "transformer_engine": "none: the CPU stand-in (tests/standin.py)",
+        "python": platform.python_version(),
+        "host_cpus": os.cpu_count(),
+        "cpu_smoke": True,
+    }
+
+
 def _worker() -> None:
     import torch.distributed as dist
 
+    global SMOKE
     args = parse(sys.argv[1:])
-    local_rank = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
-    torch.cuda.set_device(local_rank)
-    # async_save needs a CPU backend next to NCCL.
-    dist.init_process_group("cpu:gloo,cuda:nccl", timeout=datetime.timedelta(minutes=30))
+    SMOKE = args.cpu_smoke
+    if SMOKE:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=30))
+    else:
+        local_rank = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
+        torch.cuda.set_device(local_rank)
+        # async_save needs a CPU backend next to NCCL.
+        dist.init_process_group("cpu:gloo,cuda:nccl", timeout=datetime.timedelta(minutes=30))
     try:
         assert dist.get_world_size() == WORLD, f"run with {WORLD} ranks"
         records = run_rank(args)
@@ -522,7 +777,8 @@ def _worker() -> None:
         if dist.get_rank() == 0:
             from benchmarks.export_memory import machine
 
-            out = {"machine": machine(), "records": [r for rank in gathered for r in rank]}
+            info = smoke_machine() if SMOKE else machine()
+            out = {"machine": info, "records": [r for rank in gathered for r in rank]}
             if args.out is not None:
                 args.out.parent.mkdir(parents=True, exist_ok=True)
                 args.out.write_text(json.dumps(out, indent=1) + "\n")
@@ -557,24 +813,57 @@ def parse(argv: list[str]) -> argparse.Namespace:
         default=os.path.join(tempfile.gettempdir(), "dcp_e2e"),
         help="where checkpoints are written (each is deleted after it is checked)",
     )
+    all_modes = sorted({m for ms in MODES.values() for m in ms})
+    parser.add_argument(
+        "--modes", default="", help="comma-separated subset of " + ", ".join(all_modes)
+    )
+    parser.add_argument(
+        "--writer-threads",
+        type=int,
+        default=1,
+        help="StreamingWriter threads of the streaming and snapshot modes (default 1, as "
+        "torch's FileSystemWriter of the other modes)",
+    )
+    parser.add_argument(
+        "--snapshot-saves",
+        type=int,
+        default=3,
+        help="raw-snapshot async saves in a row (the first allocates the buffers; default 3)",
+    )
+    parser.add_argument(
+        "--cpu-smoke",
+        action="store_true",
+        help="run every op on 2 gloo CPU ranks with the CPU stand-in of TE (checks only; the "
+        "numbers mean nothing); implies --size smoke unless --size is given",
+    )
     args = parser.parse_args(argv)
     for op in args.ops.split(","):
         if op and op not in OPS:
             parser.error(f"unknown op {op!r}; valid: {', '.join(OPS)}")
+    for mode in args.modes.split(","):
+        if mode and mode not in all_modes:
+            parser.error(f"unknown mode {mode!r}; valid: {', '.join(all_modes)}")
+    if args.writer_threads < 1:
+        parser.error(f"--writer-threads {args.writer_threads}: valid values are >= 1")
+    if args.snapshot_saves < 1:
+        parser.error(f"--snapshot-saves {args.snapshot_saves}: valid values are >= 1")
+    if args.cpu_smoke and "--size" not in argv:
+        args.size = "smoke"
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parse(argv)  # --help and bad options answer before anything else
-    missing = requirements_missing()
+    args = parse(argv)  # --help and bad options answer before anything else
+    missing = None if args.cpu_smoke else requirements_missing()
     if missing:
         print(
             "This benchmark measures DCP save, async_save and load of real Transformer Engine\n"
             f"FusedAdam state under FSDP2 on {WORLD} NVIDIA GPUs. It cannot run here: {missing}.\n"
             f"It needs: {WORLD} CUDA GPUs, torch with CUDA and NCCL, and Transformer Engine "
             "(pip install 'transformer-engine[pytorch]').\n"
-            "The CPU test suite runs anywhere: python -m pytest -q tests/test_dcp.py",
+            "Its logic runs anywhere with --cpu-smoke; the CPU test suite too: "
+            "python -m pytest -q tests/test_dcp.py tests/test_dcp_save.py",
             file=sys.stderr,
         )
         return 2

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.distributed.checkpoint.state_dict import (
@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ..policy import Placement, as_placement, export_placement
+from .lazy_state import lazy_optimizer_state_dict, resolve_loaded
 from .load_planner import StreamingLoadWarning, finish_streaming_load, is_streaming_template
 
 __all__ = ["PlacedOptimizerState"]
@@ -26,6 +27,7 @@ StateDict = dict[str, Any]
 
 ModelParts = torch.nn.Module | Sequence[torch.nn.Module]
 Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer]
+SAVE_MODES = ("export", "streaming")
 
 
 def _as_list(value: Any, kind: type, what: str, hint: str) -> list[Any]:
@@ -59,9 +61,15 @@ class PlacedOptimizerState(Stateful):
         options: ``StateDictOptions`` for ``get_/set_optimizer_state_dict``; it must keep
             ``flatten_optimizer_state_dict=True`` (the default here), which merging model parts
             and DCP resharding rely on.
+        save: ``"export"`` (default): :meth:`state_dict` exports every state to host memory
+            under the policy. ``"streaming"``: it returns lazy states
+            (:func:`~te_ckpt_placement.dcp.lazy_optimizer_state_dict`) that DCP's writer
+            produces one at a time when it writes them, so a save never holds the whole FP32
+            export; pair it with :class:`~te_ckpt_placement.dcp.StreamingWriter` (docs/dcp.md).
+            Loads work the same in both modes.
 
     Raises:
-        ValueError: for a model, optimizer, placement or options value outside those above.
+        ValueError: for a model, optimizer, placement, options or save value outside those above.
 
     Example:
         >>> import torch.distributed.checkpoint as dcp
@@ -77,6 +85,7 @@ class PlacedOptimizerState(Stateful):
         *,
         placement: Placement | str | torch.device | None = "cpu",
         options: StateDictOptions | None = None,
+        save: Literal["export", "streaming"] = "export",
     ) -> None:
         parts = _as_list(
             model,
@@ -121,7 +130,18 @@ class PlacedOptimizerState(Stateful):
                 "sharded checkpoints itself"
             )
         self.placement = as_placement(placement)  # raises ValueError naming the valid values
+        if save not in SAVE_MODES:
+            raise ValueError(
+                f"unsupported save {save!r}: valid values are 'export' (state_dict() exports "
+                "every state) or 'streaming' (lazy states that DCP's writer produces one at a time)"
+            )
+        if save == "streaming" and not self.placement.streams:
+            raise ValueError(
+                "unsupported save='streaming' with placement=None: valid placements for a "
+                "streaming save are 'cpu' or a Placement(device='cpu', ...)"
+            )
         self.options = options
+        self.save = save
         # One (model, optimizers) pair per call of get_/set_optimizer_state_dict.
         if len(parts) == 1:
             self._pairs = [(parts[0], tuple(optims))]
@@ -160,10 +180,19 @@ class PlacedOptimizerState(Stateful):
                 StreamingLoadWarning,
                 stacklevel=2,
             )
+        if self.save == "streaming":
+            parts = [
+                lazy_optimizer_state_dict(
+                    model, optims, options=self.options, placement=self.placement
+                )
+                for model, optims in self._pairs
+            ]
+        else:
+            parts = self._each(
+                lambda model, optims: get_optimizer_state_dict(model, optims, options=self.options)
+            )
         merged: StateDict = {}
-        for part in self._each(
-            lambda model, optims: get_optimizer_state_dict(model, optims, options=self.options)
-        ):
+        for part in parts:
             overlap = merged.keys() & part.keys()
             if overlap:
                 raise ValueError(
@@ -182,6 +211,8 @@ class PlacedOptimizerState(Stateful):
         if is_streaming_template(state_dict):
             finish_streaming_load(state_dict)
             return
+        # A save="streaming" template holds lazy states that DCP read into: their host tensors.
+        state_dict = resolve_loaded(state_dict)
         # Each part picks its own keys from the merged dict (as torchtitan's container does).
         self._each(
             lambda model, optims: set_optimizer_state_dict(

@@ -1,0 +1,221 @@
+"""``SnapshotStager``: async DCP saves that copy only the raw stored bytes before training resumes.
+
+``dcp.async_save`` stages the state dict so that training can change the originals while the
+write runs. For TE FusedAdam states given as lazy placeholders (``PlacedOptimizerState(
+save="streaming")``), this stager copies what the optimizer stores: BF16/FP16/FP8/int16/FP32 bytes
+and the FP32 scales of FP16 and FP8 states, 2 bytes per element for BF16 moments where the FP32
+export has 4. Model weights and any other tensor are copied as they are. Everything goes into
+host buffers kept from one save to the next (pinned for copies from a GPU, all copies queued on a
+side stream and waited for once). The FP32 conversion then runs in the background write, from the
+snapshot, when the writer asks for each state: the checkpoint holds the same FP32 tensors as
+TE's export, so every existing loader reads it.
+
+Uses only APIs that torch 2.11 (the GPU machine's version) and 2.13 share.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.tensor import DTensor
+
+from .. import engine
+from .host_buffers import HostBuffers
+from .lazy_state import LazyState, _Ledger, lazy_of, rewrap
+
+__all__ = ["SnapshotStager", "SnapshotStats"]
+
+StateDict = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class SnapshotStats:
+    """What one :meth:`SnapshotStager.stage` did.
+
+    Attributes:
+        raw_bytes: Bytes copied for lazy optimizer states (stored bytes and scales).
+        other_bytes: Bytes copied for every other tensor (model weights).
+        converted_bytes: Bytes of states converted at staging (``conversion="device"`` states and
+            FP8 storage without rowwise data, which only TE's GPU conversion reads).
+        passed_through: Tensors of a streaming export passed through without a copy.
+        allocated_bytes: Buffer bytes allocated by this call (0 when every buffer was reused).
+        seconds: Wall time of the call.
+    """
+
+    raw_bytes: int
+    other_bytes: int
+    converted_bytes: int
+    passed_through: int
+    allocated_bytes: int
+    seconds: float
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class _Snapshot:
+    """One stage() call: walks the state dict, queues the copies, rebuilds the containers."""
+
+    def __init__(self, buffers: HostBuffers, pin_memory: bool) -> None:
+        self.buffers = buffers
+        self.pin_memory = pin_memory
+        self.streams: dict[torch.device, Any] = {}
+        self.ledger = _Ledger()
+        self.raw_bytes = 0
+        self.other_bytes = 0
+        self.converted_bytes = 0
+        self.passed_through = 0
+
+    def copy(self, src: torch.Tensor, key: Any) -> torch.Tensor:
+        """A host copy of ``src`` (queued, for a CUDA source) in a buffer named ``key``."""
+        cuda = src.device.type == "cuda"
+        dst = self.buffers.take(key, src.shape, src.dtype, pinned=cuda and self.pin_memory)
+        if not cuda:
+            dst.copy_(src)
+            return dst
+        stream = self.streams.get(src.device)
+        if stream is None:
+            stream = torch.cuda.Stream(src.device)
+            # What the compute stream has queued (the last step) lands before we read.
+            stream.wait_stream(torch.cuda.current_stream(src.device))
+            self.streams[src.device] = stream
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+        return dst
+
+    def finish(self) -> None:
+        for stream in self.streams.values():
+            stream.synchronize()
+
+    def lazy(self, lazy: LazyState, path: tuple[Any, ...]) -> torch.Tensor:
+        source = lazy.source
+        if source.kind == "device" or source.data is None:
+            # Only TE's GPU conversion reads this storage: convert now, one state at a time.
+            out = lazy.produce()
+            self.converted_bytes += _nbytes(out)
+            return out
+        data = self.copy(source.data, (*path, "data"))
+        scale = source.scale
+        if scale is not None:
+            scale = self.copy(scale, (*path, "scale"))
+            self.raw_bytes += _nbytes(scale)
+        self.raw_bytes += _nbytes(data)
+        snapshot = dataclasses.replace(source, data=data, scale=scale)
+        return lazy.with_source(snapshot, self.ledger)
+
+    def visit(self, obj: Any, path: tuple[Any, ...]) -> Any:
+        lazy = lazy_of(obj)
+        if lazy is not None:
+            return rewrap(self.lazy(lazy, path), obj)
+        if isinstance(obj, torch.Tensor):
+            if engine.is_exported(obj):  # a private host snapshot already
+                self.passed_through += 1
+                return obj
+            local = obj._local_tensor if isinstance(obj, DTensor) else obj
+            host = self.copy(local, path)
+            self.other_bytes += _nbytes(host)
+            return rewrap(host, obj)
+        if isinstance(obj, dict):
+            new = copy.copy(obj)
+            for key, value in obj.items():
+                new[key] = self.visit(value, (*path, key))
+            return new
+        if isinstance(obj, (list, tuple)):
+            items = [self.visit(value, (*path, i)) for i, value in enumerate(obj)]
+            if isinstance(obj, list):
+                return items
+            if hasattr(obj, "_fields"):  # a namedtuple takes its fields positionally
+                return type(obj)(*items)
+            return type(obj)(items)
+        return copy.deepcopy(obj)
+
+
+class SnapshotStager(AsyncStager):
+    """An ``AsyncStager`` that snapshots raw optimizer-state bytes into reused host buffers.
+
+    ``stage`` returns when every copy has landed, so training may change the model and the
+    optimizer as soon as ``dcp.async_save`` returns: the staged dict references only the
+    snapshot. Lazy optimizer states stay lazy, now reading from the snapshot, and are converted
+    to FP32 by the background write; use a writer that drops each tensor once written
+    (:class:`~te_ckpt_placement.dcp.StreamingWriter`, which stages with this class by default) to
+    keep that conversion to a few states at a time.
+
+    Buffers are kept for the next save and reused once nothing uses them. Wait for a save to
+    finish before starting the next (as torch asks of any reused stager): a buffer still in use
+    is never overwritten, a second set is allocated instead. Tensors of a streaming export
+    (``export_placement("cpu")``) are passed through, as :class:`PassThroughStager` does.
+
+    Args:
+        pin_memory: Pin the buffers of copies from a GPU (``cudaHostRegister``), for
+            full-bandwidth asynchronous copies. ``False`` stages into pageable memory.
+
+    Raises:
+        ValueError: ``pin_memory`` is not a bool.
+
+    Example:
+        >>> state = PlacedOptimizerState(model, optimizer, save="streaming")  # doctest: +SKIP
+        >>> writer = StreamingWriter(path)  # stages with a SnapshotStager  # doctest: +SKIP
+        >>> response = dcp.async_save({"optim": state}, storage_writer=writer,
+        ...                           process_group=pg)  # doctest: +SKIP
+        >>> response.result()  # before the next async_save  # doctest: +SKIP
+    """
+
+    _synchronize_after_execute = False  # stage() blocks until the snapshot is complete
+
+    def __init__(self, *, pin_memory: bool = True) -> None:
+        if not isinstance(pin_memory, bool):
+            raise ValueError(
+                f"unsupported pin_memory {pin_memory!r}: valid values are True (pinned buffers "
+                "for GPU copies) or False (pageable memory)"
+            )
+        self.pin_memory = pin_memory
+        self._buffers = HostBuffers()
+        self.last_stats: SnapshotStats | None = None
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Host bytes of the buffers kept for the next snapshot."""
+        return self._buffers.nbytes
+
+    def stage(self, state_dict: StateDict) -> StateDict:  # type: ignore[override]
+        """A snapshot of ``state_dict`` that nothing in training writes.
+
+        Args:
+            state_dict: What ``dcp.async_save`` stages (``Stateful`` values already replaced by
+                their ``state_dict()``).
+
+        Returns:
+            The same structure, with lazy states reading from host snapshots of their stored
+            bytes and every other tensor a host copy (a CPU-local DTensor for a DTensor).
+        """
+        start = time.perf_counter()
+        snapshot = _Snapshot(self._buffers, self.pin_memory)
+        try:
+            staged = snapshot.visit(state_dict, ())
+        finally:
+            snapshot.finish()  # copies in flight must land before any buffer is reused or freed
+            allocated = self._buffers.allocated_bytes
+            self._buffers.end_round()
+        self.last_stats = SnapshotStats(
+            raw_bytes=snapshot.raw_bytes,
+            other_bytes=snapshot.other_bytes,
+            converted_bytes=snapshot.converted_bytes,
+            passed_through=snapshot.passed_through,
+            allocated_bytes=allocated,
+            seconds=time.perf_counter() - start,
+        )
+        return staged  # type: ignore[no-any-return]
+
+    def synchronize_staging(self) -> None:
+        """A no-op: :meth:`stage` returns a complete snapshot."""
+
+    def close(self) -> None:
+        """Releases the kept buffers (after the last save)."""
+        self._buffers.close()

@@ -1,0 +1,484 @@
+"""Streaming DCP saves and raw-snapshot async saves against the CPU stand-in of TE FusedAdam.
+
+In process: the lazy states (metadata and values equal to the export for every storage mode and
+conversion, refusals, validation), ``StreamingWriter`` (at most threads + lookahead produced
+states alive, failures that leave the previous checkpoint and the optimizer alone, the files of
+a replaced checkpoint removed), ``SnapshotStager`` (raw bytes only, training after staging does
+not reach the files, buffers reused and never overwritten in use) and the ``save="streaming"``
+option of ``PlacedOptimizerState``.
+
+One spawn of 2 ranks (gloo, FSDP2) then runs the checks of ``dcp_save_checks.py``, which
+``test_gpu_dcp_save.py`` runs with TE on 2 GPUs.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import pickle
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+
+from te_ckpt_placement import PassThroughStager, Placement, engine, export_placement, te_hooks
+from te_ckpt_placement.dcp import (
+    LazyState,
+    PlacedOptimizerState,
+    SnapshotStager,
+    StreamingWriter,
+    is_lazy,
+    lazy_optimizer_state_dict,
+    production_stats,
+    resolve_loaded,
+)
+from te_ckpt_placement.dcp import lazy_state as lazy_state_module
+from te_ckpt_placement.dcp.lazy_state import released_after_write
+
+from . import dcp_save_checks as checks
+from .helpers import assert_same_export, bits, local, snapshot
+from .standin import StandInFusedAdam, make_optimizer
+
+pytestmark = pytest.mark.usefixtures("hooked_standin")
+
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+BACKEND = checks.Backend("cpu", make_optimizer)
+BF16, FP16, FP32, FP8 = torch.bfloat16, torch.float16, torch.float32, torch.uint8
+# (moments, master) storage modes of the stand-in for plain (non-DTensor) parameters.
+MODES = [
+    (FP32, "none"),
+    (BF16, "fp32"),
+    (BF16, "remainder"),
+    (FP16, "fp32"),
+    (FP16, "fp16"),
+    (FP8, "fp32"),
+    (FP8, "remainder"),
+]
+
+
+def plain_case(moments: torch.dtype, master: str, seed: int = 0, layers: int = 2) -> checks.Case:
+    dims = tuple(3 + 2 * i for i in range(layers + 1))
+    case = checks.Case(BACKEND, None, moments, master, seed=seed, dims=dims)
+    case.train(2, seed=seed + 1)
+    return case
+
+
+def no_dist_save(state_dict: dict[str, Any], writer: Any) -> None:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.save(state_dict, storage_writer=writer, no_dist=True)
+
+
+def no_dist_load(state_dict: dict[str, Any], path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(state_dict, checkpoint_id=str(path), no_dist=True)
+
+
+def expected_kind(key: str, moments: torch.dtype, master: str, conversion: str) -> str:
+    """What describe_state makes of a state: TE's stored dtype and the conversion."""
+    if key.endswith("master_param"):
+        stored = {"fp32": FP32, "fp16": FP16, "remainder": torch.int16}[master]
+    else:
+        stored = moments
+    if stored in (FP16, FP8) and conversion == "device":
+        return "device"
+    kinds = {FP32: "copy", torch.int16: "copy", BF16: "upcast", FP16: "scaled", FP8: "fp8"}
+    return kinds[stored]
+
+
+# --- lazy states --------------------------------------------------------------------------------
+@pytest.mark.parametrize("conversion", ["host", "device"])
+@pytest.mark.parametrize(("moments", "master"), MODES)
+def test_lazy_states_produce_the_export(moments: torch.dtype, master: str, conversion: str) -> None:
+    case = plain_case(moments, master)
+    placement = Placement(conversion=conversion)  # type: ignore[arg-type]
+    with export_placement(None):
+        te = checks.host_copy(get_optimizer_state_dict(case.model, case.opt, options=FLAT))
+    before = snapshot(case.opt)
+    lazy = lazy_optimizer_state_dict(case.model, case.opt, options=FLAT, placement=placement)
+    checks.assert_lazy_like(lazy, te, f"{moments} {master}")
+    states = {k: v for k, v in lazy.items() if k.startswith("state.")}
+    assert production_stats(lazy).produced == 0
+    for key, value in states.items():
+        first, second = value.produce(), value.produce()
+        assert not is_lazy(first) and type(first) is torch.Tensor
+        assert first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr()
+        assert first.untyped_storage().nbytes() == first.numel() * first.element_size()
+        assert torch.equal(bits(first), bits(te[key])), f"{key} differs from TE's export"
+        assert torch.equal(bits(second), bits(te[key])), key
+        assert value.source.kind == expected_kind(key, moments, master, conversion), key
+    stats = production_stats(lazy)
+    assert stats.produced == 2 * len(states)
+    assert stats.produced_bytes == 2 * sum(v.numel() * v.element_size() for v in te.values()
+                                           if isinstance(v, torch.Tensor))  # fmt: skip
+    after = snapshot(case.opt)
+    for p, names in before.items():
+        for name, value in names.items():
+            assert torch.equal(after[p][name], value), f"producing changed the live {name}"
+
+
+def test_lazy_state_dict_options_and_structure() -> None:
+    case = plain_case(BF16, "remainder")
+    for options in (
+        StateDictOptions(),  # nested: {"state": {fqn: {name: ...}}, "param_groups": [...]}
+        StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True),
+    ):
+        lazy = lazy_optimizer_state_dict(case.model, case.opt, options=options)
+        export = case.export(options)
+        states = list(checks.tensors(lazy))
+        assert states and all(is_lazy(t) for t in states)
+        assert [t.shape for t in states] == [t.shape for t in checks.tensors(export)]
+        assert [t.dtype for t in states] == [t.dtype for t in checks.tensors(export)]
+    with pytest.raises(ValueError, match="full_state_dict=True"):
+        lazy_optimizer_state_dict(
+            case.model, case.opt, options=StateDictOptions(full_state_dict=True)
+        )
+    with pytest.raises(ValueError, match="valid values are 'cpu'"):
+        lazy_optimizer_state_dict(case.model, case.opt, placement=None)
+    with pytest.raises(ValueError, match="StateDictOptions"):
+        lazy_optimizer_state_dict(case.model, case.opt, options={"x": 1})  # type: ignore[arg-type]
+
+
+def test_lazy_state_dict_refuses_fsdp1(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    case = plain_case(BF16, "fp32")
+    # Building an FSDP1 model needs a process group; what the check asks torch is faked.
+    monkeypatch.setattr(FullyShardedDataParallel, "fsdp_modules", lambda module: [module])
+    with pytest.raises(ValueError, match="FSDP1"):
+        lazy_optimizer_state_dict(case.model, case.opt)
+
+
+def test_lazy_state_refuses_what_it_cannot_do() -> None:
+    case = plain_case(FP16, "fp32")
+    lazy = lazy_optimizer_state_dict(case.model, case.opt, options=FLAT)
+    state = next(v for k, v in lazy.items() if k.startswith("state."))
+    assert isinstance(state, LazyState) and "LazyState(kind='scaled'" in repr(state)
+    assert not state.is_pinned()
+    for op in (lambda: torch.add(state, 1), lambda: state.sum(), lambda: state.clone()):
+        with pytest.raises(TypeError, match="streaming-save placeholder holds no data"):
+            op()
+    with pytest.raises(TypeError, match="SnapshotStager"):
+        copy.deepcopy(lazy)
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(state)
+    # torch's stagers copy every tensor: staging a lazy dict through them fails loudly.
+    with pytest.raises(TypeError, match="SnapshotStager"):
+        PassThroughStager().stage({"optim": lazy})
+    # Offloading to the CPU is a no-op for these CPU-device placeholders.
+    assert state.to("cpu") is state
+
+
+def test_lazy_state_dict_of_other_optimizers_is_their_export() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 4)
+    adam = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 3)).sum().backward()
+    adam.step()
+    lazy = lazy_optimizer_state_dict(model, adam, options=FLAT)
+    assert not any(is_lazy(t) for t in checks.tensors(lazy))
+    assert_same_export(lazy, get_optimizer_state_dict(model, adam, options=FLAT))
+
+
+def test_lazy_state_dict_of_a_fresh_optimizer_runs_dcps_fake_step() -> None:
+    case = checks.Case(BACKEND, None, BF16, "fp32", seed=3)
+    assert not case.opt.state
+    lazy = lazy_optimizer_state_dict(case.model, case.opt, options=FLAT)
+    # As with the export: the fake step created the states and counted one step.
+    export_case = checks.Case(BACKEND, None, BF16, "fp32", seed=3)
+    export = export_case.export()
+    checks.assert_lazy_like(lazy, export, "fresh")
+    assert case.opt.state and all(g["step"] == 1 for g in case.opt.param_groups)
+
+
+def test_resolve_loaded_keeps_current_values_for_skipped_keys() -> None:
+    case = plain_case(BF16, "fp32")
+    export = case.export()
+    lazy = lazy_optimizer_state_dict(case.model, case.opt, options=FLAT)
+    keys = [k for k in lazy if k.startswith("state.")]
+    target = lazy[keys[0]]
+    target.__create_chunk_list__()  # load planning made it a target ...
+    loaded = target.__get_tensor_shard__(None)  # type: ignore[arg-type]
+    assert target.__get_tensor_shard__(None) is loaded  # type: ignore[arg-type]
+    loaded.fill_(7.0)  # ... and DCP read into it
+    resolved = resolve_loaded(lazy)
+    assert resolved is not lazy and not any(is_lazy(t) for t in checks.tensors(resolved))
+    assert torch.all(resolved[keys[0]] == 7.0)
+    for key in keys[1:]:  # not read: the current value, as the export template holds it
+        assert torch.equal(bits(resolved[key]), bits(export[key])), key
+    plain = {"a": torch.ones(2), "b": [1, (2, 3)]}
+    assert resolve_loaded(plain) is plain
+
+
+def test_ledger_warns_once_outside_a_releasing_writer(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lazy_state_module, "WARN_ALIVE_ITEMS", 2)
+    monkeypatch.setattr(lazy_state_module, "WARN_ALIVE_BYTES", 0)
+    case = plain_case(BF16, "remainder", layers=3)
+    lazy = lazy_optimizer_state_dict(case.model, case.opt, options=FLAT)
+    states = [v for k, v in lazy.items() if k.startswith("state.")]
+    with released_after_write():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            kept = [s.produce() for s in states]
+    assert production_stats(lazy).peak_alive == len(states)
+    del kept
+    with pytest.warns(RuntimeWarning, match="StreamingWriter") as caught:
+        kept = [s.produce() for s in states]
+    assert len(caught) == 1  # once per state dict
+    del kept
+    assert production_stats(lazy).produced == 2 * len(states)
+
+
+# --- StreamingWriter ----------------------------------------------------------------------------
+@pytest.mark.parametrize(("threads", "lookahead", "single"), [(1, 0, True), (1, 1, True),
+                         (2, 1, True), (3, 2, False)])  # fmt: skip
+def test_streaming_writer_bounds_what_is_alive(
+    tmp_path: Path, threads: int, lookahead: int, single: bool
+) -> None:
+    case = plain_case(FP8, "remainder", layers=5)
+    ref = case.reference()
+    lazy = lazy_optimizer_state_dict(case.model, case.opt, options=FLAT)
+    n = checks.n_states(lazy)
+    writer = StreamingWriter(
+        tmp_path, thread_count=threads, lookahead=lookahead, single_file_per_rank=single
+    )
+    no_dist_save({"model": case.model.state_dict(), "optim": lazy}, writer)
+    stats = production_stats(lazy)
+    assert stats.produced == n
+    assert 1 <= stats.peak_alive <= threads + lookahead, stats
+    files = [p for p in tmp_path.iterdir() if p.suffix == ".distcp"]
+    items = len(lazy) + len(ref["model"])  # states, param_groups entries, weights
+    assert len(files) == (min(threads, items) if single else items)
+    checks.assert_loads(case, tmp_path, ref, "no_dist")
+
+
+def test_streaming_writer_rejects_bad_arguments(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="thread_count"):
+            StreamingWriter(tmp_path, thread_count=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="lookahead"):
+        StreamingWriter(tmp_path, lookahead=-1)
+    with pytest.raises(ValueError, match="TORCH_SAVE"):
+        StreamingWriter(tmp_path, serialization_format=SerializationFormat.SAFETENSORS)
+    with pytest.raises(ValueError, match="SnapshotStager"):
+        StreamingWriter(tmp_path, stager=PassThroughStager())  # type: ignore[arg-type]
+
+
+def test_streaming_writer_failure_keeps_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    case = plain_case(BF16, "remainder", layers=4)
+    ref_a = case.reference()
+    no_dist_save(
+        {"model": case.model.state_dict(), "optim": case.lazy()}, StreamingWriter(tmp_path)
+    )
+    files_a = {p.name for p in tmp_path.iterdir()}
+    case.train(1, seed=9)
+    before = snapshot(case.opt)
+    original = engine.materialize
+    calls = [0]
+
+    def failing(source: Any, **kwargs: Any) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == 4:
+            raise checks.InjectedError("injected write failure")
+        return original(source, **kwargs)
+
+    monkeypatch.setattr(engine, "materialize", failing)
+    with pytest.raises(BaseException, match="injected write failure"):  # CheckpointException
+        no_dist_save(
+            {"model": case.model.state_dict(), "optim": case.lazy()},
+            StreamingWriter(tmp_path, thread_count=3),
+        )
+    monkeypatch.setattr(engine, "materialize", original)
+    assert {p.name for p in tmp_path.iterdir()} == files_a, "files of the failed save remain"
+    after = snapshot(case.opt)
+    for p, names in before.items():
+        for name, value in names.items():
+            assert torch.equal(after[p][name], value), f"the failed save changed {name}"
+    checks.assert_loads(case, tmp_path, ref_a, "previous checkpoint")
+    ref_c = case.reference()
+    no_dist_save(
+        {"model": case.model.state_dict(), "optim": case.lazy()}, StreamingWriter(tmp_path)
+    )
+    files_c = {p.name for p in tmp_path.iterdir()}
+    assert files_c & files_a == {".metadata"}, f"replaced files kept: {files_c & files_a}"
+    checks.assert_loads(case, tmp_path, ref_c, "next checkpoint")
+
+
+# --- SnapshotStager -----------------------------------------------------------------------------
+def staged_sources(staged: Any) -> Iterator[LazyState]:
+    for t in checks.tensors(staged):
+        if is_lazy(t):
+            yield local(t)
+
+
+def test_snapshot_stager_copies_raw_bytes_and_isolates_training(tmp_path: Path) -> None:
+    case = plain_case(FP8, "remainder", layers=3)
+    ref = case.reference()
+    weight = torch.arange(6.0)
+    exported = case.export()  # a streaming export's tensors are passed through
+    exported_state = next(v for k, v in exported.items() if k.startswith("state."))
+    state_dict = {
+        "model": case.model.state_dict(),
+        "optim": lazy_optimizer_state_dict(case.model, case.opt, options=FLAT),
+        "extra": {"w": weight, "export": exported_state, "nested": [1, ("a", 2.5)]},
+    }
+    frozen = {k: v for k, v in state_dict.items() if k != "optim"}
+    frozen = copy.deepcopy(frozen)
+    stager = SnapshotStager()
+    staged = stager.stage(state_dict)
+    stats = stager.last_stats
+    assert stats is not None
+    assert stats.raw_bytes == checks.raw_bytes(case.opt), stats
+    assert stats.other_bytes == checks.model_bytes(case.model) + weight.numel() * 4, stats
+    assert stats.passed_through == 1 and stats.converted_bytes == 0, stats
+    assert stats.allocated_bytes == stats.raw_bytes + stats.other_bytes
+    assert staged["extra"]["export"] is exported_state
+    assert staged["extra"]["nested"] == [1, ("a", 2.5)]
+    assert staged["extra"]["w"].data_ptr() != weight.data_ptr()
+    live = {
+        getattr(local(v), "_data", local(v)).untyped_storage().data_ptr()
+        for states in case.opt.state.values()
+        for v in states.values()
+    }
+    for lazy in staged_sources(staged):
+        assert lazy.source.data is not None
+        assert lazy.source.data.untyped_storage().data_ptr() not in live, "reads the live state"
+        if lazy.source.scale is not None:
+            assert lazy.source.scale.device.type == "cpu"
+    assert production_stats(staged["optim"]).produced == 0  # still lazy
+    # The caller's dict is untouched; training after staging does not reach the snapshot.
+    assert_same_export({k: v for k, v in state_dict.items() if k != "optim"}, frozen)
+    case.train(1, seed=5)
+    weight.add_(1)
+    assert not checks.same_bits(case.model_bits(), ref["model"])
+    no_dist_save(staged, StreamingWriter(tmp_path))
+    checks.assert_loads(case, tmp_path, ref, "snapshot then step")
+
+
+def test_snapshot_stager_reuses_idle_buffers_only() -> None:
+    case = plain_case(BF16, "remainder")
+    stager = SnapshotStager()
+
+    def stage() -> tuple[dict[str, Any], set[int]]:
+        staged = stager.stage({"optim": case.lazy(), "model": case.model.state_dict()})
+        ptrs = {local(t).untyped_storage().data_ptr() for t in checks.tensors(staged)
+                if not is_lazy(t)}  # fmt: skip
+        ptrs |= {s.source.data.untyped_storage().data_ptr() for s in staged_sources(staged)}  # type: ignore[union-attr]
+        return staged, ptrs
+
+    first, ptrs1 = stage()
+    total = stager.last_stats.raw_bytes + stager.last_stats.other_bytes  # type: ignore[union-attr]
+    assert stager.buffer_bytes == total
+    kept_values = [bits(t).clone() for t in checks.tensors(first) if not is_lazy(t)]
+    case.train(1, seed=3)
+    second, ptrs2 = stage()  # the first is still referenced: fresh buffers, nothing overwritten
+    assert stager.last_stats.allocated_bytes == total  # type: ignore[union-attr]
+    assert not ptrs1 & ptrs2
+    assert all(
+        torch.equal(bits(t), v)
+        for t, v in zip([t for t in checks.tensors(first) if not is_lazy(t)], kept_values,
+                        strict=True)
+    )  # fmt: skip
+    del first
+    assert stager.buffer_bytes == total  # the first round's buffers were released
+    del second
+    third, ptrs3 = stage()
+    assert stager.last_stats.allocated_bytes == 0  # type: ignore[union-attr]
+    assert ptrs3 == ptrs2
+    del third
+    stager.close()
+    assert stager.buffer_bytes == 0
+
+
+def test_snapshot_stager_converts_device_states_at_staging(tmp_path: Path) -> None:
+    case = plain_case(FP16, "fp32")
+    ref = case.reference()
+    lazy = lazy_optimizer_state_dict(
+        case.model, case.opt, options=FLAT, placement=Placement(conversion="device")
+    )
+    kinds = {k: v.source.kind for k, v in lazy.items() if k.startswith("state.")}
+    assert set(kinds.values()) == {"device", "copy"}, kinds
+    stager = SnapshotStager(pin_memory=False)
+    staged = stager.stage({"model": case.model.state_dict(), "optim": lazy})
+    stats = stager.last_stats
+    assert stats is not None and stats.converted_bytes > 0
+    for key, kind in kinds.items():
+        assert is_lazy(staged["optim"][key]) == (kind != "device"), key
+    case.train(1, seed=4)
+    no_dist_save(staged, StreamingWriter(tmp_path))
+    checks.assert_loads(case, tmp_path, ref, "device conversion at staging")
+    with pytest.raises(ValueError, match="pin_memory"):
+        SnapshotStager(pin_memory=1)  # type: ignore[arg-type]
+
+
+# --- PlacedOptimizerState(save=...) -------------------------------------------------------------
+def test_placed_optimizer_state_save_option(tmp_path: Path) -> None:
+    case = plain_case(BF16, "remainder")
+    with pytest.raises(ValueError, match="valid values are 'export'"):
+        PlacedOptimizerState(case.model, case.opt, save="lazy")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="placement=None"):
+        PlacedOptimizerState(case.model, case.opt, placement=None, save="streaming")
+    state = PlacedOptimizerState(case.model, case.opt, save="streaming")
+    assert state.save == "streaming"
+    lazy = state.state_dict()
+    checks.assert_lazy_like(lazy, case.export(), "adapter")
+    ref = case.reference()
+    no_dist_save({"model": case.model.state_dict(), "optim": state}, StreamingWriter(tmp_path))
+    fresh = case.fresh(seed=7)
+    target = PlacedOptimizerState(fresh.model, fresh.opt, save="streaming")
+    loaded_model = {k: torch.zeros_like(v) for k, v in fresh.model.state_dict().items()}
+    no_dist_load({"model": loaded_model, "optim": target}, tmp_path)
+    fresh.model.load_state_dict(loaded_model)
+    checks.assert_same_optimizer(fresh, case, "adapter round trip")
+    assert_same_export(fresh.export(), checks.host_copy(ref["optim"]))
+    assert PlacedOptimizerState(case.model, case.opt).save == "export"
+
+
+# --- 2 ranks ------------------------------------------------------------------------------------
+def _worker(rank: int, port: int, root: str) -> None:
+    import gc
+
+    dist.init_process_group(
+        "gloo",
+        rank=rank,
+        world_size=2,
+        init_method=f"tcp://127.0.0.1:{port}",
+        timeout=datetime.timedelta(seconds=180),
+    )
+    te_hooks.patch_class(StandInFusedAdam)
+    warnings.filterwarnings("ignore", "Ignoring pin_memory", UserWarning)
+    mesh = init_device_mesh("cpu", (2,))
+    # Async saves run their collectives in a background thread, on groups of their own.
+    pgs = (dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
+    base = Path(root)
+    try:
+        checks.check_streaming_save(BACKEND, mesh, base, [(BF16, "remainder"), (FP16, "fp32")])
+        checks.check_stock_writers(BACKEND, mesh, base)
+        checks.check_snapshot_async(BACKEND, mesh, pgs, base, [(BF16, "remainder"), (FP16, "fp32")])
+        checks.check_resharding(BACKEND, mesh, pgs[0], base)
+        checks.check_failed_save(BACKEND, mesh, base)
+        # The GPU test's memory check, on a small model: its code paths, not its bounds.
+        checks.check_memory_bounds(BACKEND, mesh, pgs[0], base, dims=(64, 48, 64))
+        gc.collect()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dcp_save_on_two_ranks(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    mp.spawn(_worker, args=(checks.free_port(), str(tmp_path)), nprocs=2, join=True)
+    for ckpt in ("streaming0_2_1", "snapshot1_2", "reshard_async", "failed", "stock_0"):
+        assert (tmp_path / ckpt / ".metadata").is_file(), f"{ckpt}: no checkpoint"

@@ -1,0 +1,89 @@
+"""Streaming DCP saves and raw-snapshot async saves with real TE FusedAdam under FSDP2 on 2 GPUs.
+
+``test_dcp_save.py`` proves the logic on 2 CPU ranks with the stand-in. Here the same checks
+(``dcp_save_checks.py``) run on a CUDA mesh (``cpu:gloo,cuda:nccl``) with TE 2.20.2's FusedAdam,
+BF16/FP16/FP8 moments, int16 remainders and FP32 masters, every file compared with TE's own export
+at the save point; and a model large enough that the whole FP32 export exceeds the memory bounds
+checks them:
+
+- streaming save (``PlacedOptimizerState(save="streaming")`` + ``StreamingWriter``): 0 extra GPU
+  bytes; host RSS growth at most 1 GiB + (writer threads + 1) x 4 x M (M: largest local state);
+- raw-snapshot async save (``StreamingWriter`` staging with ``SnapshotStager``): 0 extra GPU bytes;
+  host RSS growth at most raw bytes + 1 GiB + (writer threads + 1) x 4 x M; training during the
+  write does not change the files.
+"""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.multigpu
+
+WORLD = 2
+
+
+def te_optimizer(
+    params: Any, *, moments: torch.dtype = torch.bfloat16, master: str = "fp32", lr: float = 1e-2
+) -> torch.optim.Optimizer:
+    """TE's FusedAdam in the storage mode the stand-in's ``make_optimizer`` names."""
+    from transformer_engine.pytorch.optimizers import FusedAdam
+
+    from .standin import storage_kwargs
+
+    return FusedAdam(params, lr=lr, **storage_kwargs(moments=moments, master=master))
+
+
+def _worker(rank: int, port: int, root: str) -> None:
+    import gc
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from te_ckpt_placement import install
+
+    from . import dcp_save_checks as checks
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group(
+        "cpu:gloo,cuda:nccl",
+        rank=rank,
+        world_size=WORLD,
+        init_method=f"tcp://127.0.0.1:{port}",
+        timeout=datetime.timedelta(seconds=600),
+    )
+    install()
+    backend = checks.Backend("cuda", te_optimizer)
+    mesh = init_device_mesh("cuda", (WORLD,))
+    # Async saves run their collectives in a background thread, on groups of their own.
+    pgs = (dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
+    base = Path(root)
+    bf16, fp16, fp8 = torch.bfloat16, torch.float16, torch.uint8
+    modes = [(bf16, "remainder"), (fp16, "fp32"), (fp8, "fp32"), (bf16, "fp32")]
+    try:
+        # Every writer configuration for one mode, one for the others (the CPU test has all).
+        checks.check_streaming_save(backend, mesh, base, modes[:1])
+        checks.check_streaming_save(backend, mesh, base / "more", modes[1:], ((2, True),))
+        checks.check_stock_writers(backend, mesh, base)
+        checks.check_snapshot_async(backend, mesh, pgs, base, modes[:3], saves=2)
+        checks.check_resharding(backend, mesh, pgs[0], base)
+        checks.check_failed_save(backend, mesh, base)
+        checks.check_memory_bounds(backend, mesh, pgs[0], base, dims=(8192,) * 9)
+        gc.collect()
+        torch.cuda.synchronize()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dcp_save_with_te_on_two_gpus(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    from .dcp_save_checks import free_port
+
+    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    for ckpt in ("streaming0_2_0", "more/streaming2_2_1", "snapshot2_1", "reshard_async"):
+        assert (tmp_path / ckpt / ".metadata").is_file(), f"{ckpt}: no checkpoint"
