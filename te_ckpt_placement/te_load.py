@@ -453,14 +453,22 @@ def _write_one(
         unscaled = torch.empty_strided(
             value.shape, upload.te_layout_like(value, torch.float32), device=device
         )
-        up.write(unscaled, value)
-        up.fence()
-    else:
-        unscaled = value.float()
-        if kind == torch.float16 and unscaled is value and value.device == device:
-            unscaled = _copy_as_is(value)  # TE would scale the caller's tensor in place
-    optimizer.set_scaled_state(param, name, unscaled)
-    del unscaled  # freed on the current stream, after the fence: no copy still writes it
+        try:
+            up.write(unscaled, value)
+            up.fence()
+            optimizer.set_scaled_state(param, name, unscaled)
+        finally:
+            # Freed on the current stream after the fence, so no copy still writes it; and
+            # not kept alive by the traceback of a failure.
+            del unscaled
+        return
+    unscaled = value.float()
+    if kind == torch.float16 and unscaled is value and value.device == device:
+        unscaled = _copy_as_is(value)  # TE would scale the caller's tensor in place
+    try:
+        optimizer.set_scaled_state(param, name, unscaled)
+    finally:
+        del unscaled
 
 
 def _copy_as_is(t: torch.Tensor) -> torch.Tensor:

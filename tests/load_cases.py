@@ -53,6 +53,14 @@ def restride(t: torch.Tensor, layout: str) -> torch.Tensor:
     return view
 
 
+def raw_bits(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of any tensor, on the CPU (size-1 dimensions with odd strides count as
+    contiguous, so ``.contiguous()`` alone does not always allow a byte view)."""
+    t = t._local_tensor if hasattr(t, "_local_tensor") else t
+    t = t.detach()
+    return torch.empty(t.shape, dtype=t.dtype).copy_(t).reshape(-1).view(torch.uint8)
+
+
 def with_special_values(t: torch.Tensor, offset: int = 0) -> torch.Tensor:
     """A contiguous FP32 copy of ``t`` with :data:`SPECIAL_BITS` spread over its elements."""
     out = t.detach().clone().contiguous()

@@ -13,7 +13,7 @@ import torch
 from te_ckpt_placement import engine, export_placement
 
 from .helpers import assert_same_export, assert_snapshot_equal, bits, local, snapshot
-from .load_cases import LAYOUTS, restride, vary_checkpoint, with_special_values
+from .load_cases import LAYOUTS, raw_bits, restride, vary_checkpoint, with_special_values
 from .standin import StandInFusedAdam, make_optimizer, train
 
 MOMENTS = [torch.float32, torch.bfloat16, torch.float16, torch.uint8]
@@ -295,12 +295,6 @@ def build_large(moments: torch.dtype, master: str, seed: int) -> StandInFusedAda
     )
     train(opt, steps=2, seed=seed + 100)
     return opt
-
-
-def raw_bits(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of any tensor (also of size-1 dimensions with odd strides)."""
-    t = local(t).detach()
-    return torch.empty(t.shape, dtype=t.dtype).copy_(t).reshape(-1).view(torch.uint8)
 
 
 def frozen_bits(checkpoint: dict[str, Any]) -> list[torch.Tensor]:
