@@ -218,13 +218,11 @@ class Uploader:
         size = dst.element_size()
         limit = st.chunk_bytes // size
         bf16 = dst.dtype == torch.bfloat16
-        whole: bool | None = None
-        if bf16 and n <= limit:
-            # One chunk holds it: the whole conversion itself (tiny and 0-d tensors included).
+        whole = bf16_copy_is_vectorized(src) if bf16 else None
+        if bf16 and whole is None:
+            # One element (0-d included): the whole conversion itself, whichever kernel it takes.
             source = src.float().bfloat16().permute(order)
             bf16 = False
-        elif bf16:
-            whole = bf16_copy_is_vectorized(src)
         with torch.no_grad():
             for start, count, index in row_blocks(shape, limit):
                 buf = self._take(count * size).view(dst.dtype)

@@ -722,3 +722,39 @@ def test_host_conversion_refuses_fp8_it_cannot_decode(storage: str) -> None:
             assert opt.state_dict()["state"][0]["exp_avg"].device.type == "cpu"
         with export_placement(None):
             opt.state_dict()
+
+
+# --- the benchmark's CPU smoke run ---------------------------------------------------------------
+
+
+def test_benchmark_load_op_runs_on_cpu_with_the_standin(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    import json
+
+    from benchmarks import export_memory
+
+    tiny = [
+        (1 << 18, 1 << 16, d, ("load",), m) for d, m in [("bf16", "fp32"), ("fp8", "remainder")]
+    ]
+    monkeypatch.setattr(export_memory, "cases", lambda sweep: tiny)
+    rates = export_memory.cpu_bandwidths
+    monkeypatch.setattr(export_memory, "cpu_bandwidths", lambda: rates(16 << 20, 2))
+    out = tmp_path / "load.json"
+    assert export_memory.main(["--device", "cpu", "--out", str(out)]) == 0
+    records = json.loads(out.read_text())["records"]
+    assert [(r["moments"], r["mode"]) for r in records] == [
+        ("bf16", "te_default"),
+        ("bf16", "placement_cpu"),
+        ("fp8", "te_default"),
+        ("fp8", "placement_cpu"),
+    ]
+    for r in records:
+        for key in ("bound_seconds", "h2d_bytes_per_s", "host_read_bytes_per_s", "seconds"):
+            assert r[key] > 0, key
+        assert r["peak_extra_gpu_bytes"] == 0 and r["peak_extra_host_bytes"] >= 0
+    ours = records[1]
+    assert ours["te_seconds"] == records[0]["seconds"]
+    assert ours["read_bytes"] == (1 << 18) * (4 + 4 + 4)  # FP32 moments and masters
+    assert ours["written_bytes"] == (1 << 18) * (2 + 2 + 4)
+    assert isinstance(ours["targets_met"], bool)
