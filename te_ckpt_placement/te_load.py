@@ -21,7 +21,7 @@ state, and uses the storage rule of :mod:`te_ckpt_placement.te_contract`.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -483,12 +483,15 @@ def _note(exc: BaseException, message: str) -> None:
         exc.add_note(message)
 
 
-def _write_all(optimizer: Any, jobs: list[_Job], undo: _Rollback | None) -> None:
-    """Writes every job; on a failure restores (``undo``) or says exactly what was written."""
-    fresh = _aliased(optimizer, jobs)
+def _write_all(optimizer: Any, prepare: Callable[[], list[_Job]], undo: _Rollback | None) -> None:
+    """Writes the jobs ``prepare`` sets up; on a failure restores (``undo``) or says exactly
+    what was written."""
+    jobs: list[_Job] = []
     written = 0
     job: _Job | None = None
     try:
+        jobs = prepare()
+        fresh = _aliased(optimizer, jobs)
         with _uploaders() as uploader, torch.no_grad():
             for i, job in enumerate(jobs):
                 _write_one(optimizer, job, uploader, undo, i in fresh)
@@ -504,11 +507,12 @@ def _write_all(optimizer: Any, jobs: list[_Job], undo: _Rollback | None) -> None
                 ) from again
             _note(exc, "te_ckpt_placement: the optimizer's previous state was restored.")
             raise
-        where = (
-            f"state {job.name!r} of parameter {job.index} failed"
-            if job is not None and written < len(jobs)
-            else "waiting for the last copies failed"
-        )
+        if job is None:
+            where = "preparing the first write failed"
+        elif written < len(jobs):
+            where = f"state {job.name!r} of parameter {job.index} failed"
+        else:
+            where = "waiting for the last copies failed"
         message = (
             f"loading the optimizer checkpoint failed part-way: {written} of {len(jobs)} states "
             f"were written, then {where} ({type(exc).__name__}: {exc}). The optimizer now holds a "
@@ -574,16 +578,21 @@ def stream_load_state_dict(
     stripped["state"] = {k: ({} if k in planned else v) for k, v in state_dict["state"].items()}
     undo = _Rollback(optimizer) if rollback else None
     with _post_hooks_deferred(optimizer) as post_hooks:
+        # Changes nothing if it fails (torch sets the new state last).
         super(owner, optimizer).load_state_dict(stripped)  # type: ignore[arg-type]
-    jobs = []
-    for index, param, entries in plan:
-        # TE empties each param's states (L536); the live tensors are kept for in-place writes.
-        optimizer.state[param] = {
-            name: live[param][name] for name in entries if name in live[param]
-        }
-        jobs += [_Job(index, param, name, value) for name, value in entries.items()]
-    del live
-    _write_all(optimizer, jobs, undo)
+
+    def prepare() -> list[_Job]:
+        jobs = []
+        for index, param, entries in plan:
+            # TE empties each param's states (L536); the live tensors stay for in-place writes.
+            optimizer.state[param] = {
+                name: live[param][name] for name in entries if name in live[param]
+            }
+            jobs += [_Job(index, param, name, value) for name, value in entries.items()]
+        live.clear()  # the states TE's load drops are freed before anything is allocated
+        return jobs
+
+    _write_all(optimizer, prepare, undo)
     for _, param, entries in plan:
         state = optimizer.state[param]
         if list(state) != list(entries):  # TE's order: the checkpoint's (new states went last)
@@ -630,7 +639,7 @@ def load_states(
         _check_value(optimizer, param, index, name, value)
         jobs.append(_Job(index, param, name, value))
     undo = _Rollback(optimizer) if rollback else None
-    _write_all(optimizer, jobs, undo)
+    _write_all(optimizer, lambda: jobs, undo)
 
 
 def load_state(optimizer: Any, param: torch.Tensor, name: str, value: Any) -> None:

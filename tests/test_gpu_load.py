@@ -8,6 +8,7 @@ GPU-resident checkpoints, and faults part-way with and without rollback.
 from __future__ import annotations
 
 import copy
+import gc
 from collections.abc import Iterator
 from typing import Any
 
@@ -267,6 +268,7 @@ def test_fault_part_way_with_and_without_rollback(
         error.__cause__.__traceback__ = None
     del error
     exc.__traceback__ = None
+    gc.collect()
     assert torch.cuda.memory_allocated() == gpu_base, "the failed load left GPU memory behind"
     # Either way, loading again gives exactly TE's result, with no memory left behind.
     with export_placement("cpu"):
