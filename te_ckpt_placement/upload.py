@@ -102,7 +102,12 @@ def te_layout_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[i
 
 
 def bf16_copy_is_vectorized(src: torch.Tensor) -> bool | None:
-    """Whether ``src.float().bfloat16()`` on the host converts with the vectorized kernel."""
+    """Whether ``src.float().bfloat16()`` on the host converts with the vectorized kernel.
+
+    None for fewer than two elements, where the kernel is not a matter of strides alone.
+    """
+    if src.numel() < 2:
+        return None
     if src.dtype != torch.float32:
         return True  # .float() makes a dense tensor, converted as one contiguous run
     return _vectorized(te_layout_like(src, torch.bfloat16), tuple(src.shape), tuple(src.stride()))

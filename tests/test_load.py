@@ -758,3 +758,29 @@ def test_benchmark_load_op_runs_on_cpu_with_the_standin(
     assert ours["read_bytes"] == (1 << 18) * (4 + 4 + 4)  # FP32 moments and masters
     assert ours["written_bytes"] == (1 << 18) * (2 + 2 + 4)
     assert isinstance(ours["targets_met"], bool)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_uploader_bf16_equals_te_conversion_for_any_source(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, layout: str
+) -> None:
+    """``Uploader.write`` into BF16 == ``src.float().bfloat16()`` (TE's op), NaNs included, for
+    0-d, one-element and larger sources of every floating dtype, chunked or not."""
+    from te_ckpt_placement import upload
+
+    gen = torch.Generator().manual_seed(5)
+    for chunk in (64, 1 << 20):
+        monkeypatch.setattr(engine, "CHUNK_BYTES", chunk)
+        for shape in [(), (1,), (1, 1), (2,), (3, 1, 5), (40, 9)]:
+            values = torch.randn(shape, generator=gen)
+            flat = values.view(-1)
+            flat[:: max(1, flat.numel() // 3)] = float("nan")
+            if flat.numel() > 1:
+                flat[1] = -float("nan")
+            src = restride(values.to(dtype), layout)
+            dst = torch.empty(shape, dtype=torch.bfloat16)
+            with upload.Uploader(torch.device("cpu")) as up:
+                up.write(dst, src)
+            expected = src.float().bfloat16()
+            assert torch.equal(raw_bits(dst), raw_bits(expected)), (shape, chunk)
