@@ -784,3 +784,36 @@ def test_uploader_bf16_equals_te_conversion_for_any_source(
                 up.write(dst, src)
             expected = src.float().bfloat16()
             assert torch.equal(raw_bits(dst), raw_bits(expected)), (shape, chunk)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_uploader_fp32_and_int16_equal_te_copies(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, layout: str
+) -> None:
+    """FP32 destinations get ``src.float()``'s bits (signalling NaNs and payloads included),
+    int16 ones the source's bits, into dense destinations of another memory order too.
+
+    Not for NaNs stored as FP16: torch's host FP16-to-FP32 conversion gives their payloads by
+    kernel and by position (a short tensor's NaNs all become 0x7FFFFFFF, a long one's keep
+    theirs), so no chunked conversion can promise TE's. BF16 rounding makes them all one NaN.
+    """
+    from te_ckpt_placement import upload
+
+    monkeypatch.setattr(engine, "CHUNK_BYTES", 256)
+    gen = torch.Generator().manual_seed(6)
+    for shape in [(), (1,), (3, 1, 5), (40, 9)]:
+        values = with_special_values(torch.randn(shape, generator=gen))
+        if dtype == torch.float16:
+            values = torch.nan_to_num(values, nan=0.0, posinf=float("inf"), neginf=-float("inf"))
+        src = restride(values.to(dtype), layout)
+        backwards = tuple(reversed(range(len(shape))))
+        for dst in (torch.empty(shape), torch.empty(tuple(reversed(shape))).permute(backwards)):
+            with upload.Uploader(torch.device("cpu")) as up:
+                up.write(dst, src)
+            assert torch.equal(raw_bits(dst), raw_bits(src.float())), (shape, dtype)
+        ints = restride(torch.randint(-(1 << 15), 1 << 15, shape, dtype=torch.int16), layout)
+        out = torch.empty(shape, dtype=torch.int16)
+        with upload.Uploader(torch.device("cpu")) as up:
+            up.write(out, ints)
+        assert torch.equal(out, ints)
