@@ -384,6 +384,7 @@ def load_case(
         "bound_seconds": bound,
         "h2d_bytes_per_s": bw["h2d"],
         "host_read_bytes_per_s": bw["host_read"],
+        "host_bf16_convert_bytes_per_s": bw.get("host_bf16_convert"),
     }
 
     def te_load() -> None:
@@ -513,6 +514,24 @@ def host_read_rate(nbytes: int = 2 * G, repeats: int = 3) -> float:
     return nbytes / min(times)
 
 
+def bf16_convert_rate(nbytes: int = 2 * G, repeats: int = 3, *, pinned: bool = True) -> float:
+    """FP32 bytes per second the host rounds to BF16 into one staging chunk (the load's host
+    work alone, for telling which side bounds a load; not part of T*_load)."""
+    from te_ckpt_placement import engine
+
+    src = torch.ones(nbytes // 4)
+    step = engine.CHUNK_BYTES // 2
+    out = torch.empty(step, dtype=torch.bfloat16, pin_memory=pinned)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for a in range(0, src.numel(), step):
+            chunk = src[a : a + step]
+            out[: chunk.numel()].copy_(chunk)
+        times.append(time.perf_counter() - start)
+    return nbytes / min(times)
+
+
 def cpu_bandwidths(nbytes: int = 256 * MI, repeats: int = 3) -> dict[str, float]:
     """The CPU smoke run's rates: its "H2D" is a host copy into a warm buffer."""
     src, dst = torch.ones(nbytes // 4), torch.zeros(nbytes // 4)
@@ -521,7 +540,11 @@ def cpu_bandwidths(nbytes: int = 256 * MI, repeats: int = 3) -> dict[str, float]
         start = time.perf_counter()
         dst.copy_(src)
         times.append(time.perf_counter() - start)
-    return {"h2d": nbytes / min(times), "host_read": host_read_rate(nbytes, repeats)}
+    return {
+        "h2d": nbytes / min(times),
+        "host_read": host_read_rate(nbytes, repeats),
+        "host_bf16_convert": bf16_convert_rate(nbytes, repeats, pinned=False),
+    }
 
 
 def bandwidths(nbytes: int = 2 * G, repeats: int = 3) -> dict[str, float]:
@@ -566,6 +589,7 @@ def bandwidths(nbytes: int = 2 * G, repeats: int = 3) -> dict[str, float]:
         "fresh_other_page_advice": other_rate,
         "warm": warm_rate,
         "host_read": host_read_rate(nbytes, repeats),
+        "host_bf16_convert": bf16_convert_rate(nbytes, repeats),
     }
 
 
