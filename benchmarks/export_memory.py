@@ -727,10 +727,19 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     from te_ckpt_placement import release_buffers
 
+    about = machine() if cuda else cpu_machine()
+
+    def save() -> None:  # after every case: a run cut short keeps what it measured
+        if args.out is not None:
+            result = {"machine": about, "bandwidths_bytes_per_s": bw, "records": records}
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=1) + "\n")
+
     for n, m, moments, case_ops, master in plan:
         records.extend(
             run_case(n, m, moments, modes, case_ops, bw, master=master, device=args.device)
         )
+        save()
         release_buffers()
         gc.collect()
         if cuda:
@@ -739,14 +748,8 @@ def main(argv: list[str] | None = None) -> int:
     if loads:
         met = sum(r["targets_met"] for r in loads)
         print(f"load targets met in {met} of {len(loads)} cases", flush=True)
-    result = {
-        "machine": machine() if cuda else cpu_machine(),
-        "bandwidths_bytes_per_s": bw,
-        "records": records,
-    }
+    save()
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {args.out}")
     return 0
 
