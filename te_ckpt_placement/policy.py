@@ -69,21 +69,25 @@ class Placement:
             one export's worth of host memory between saves (two while a previous export is
             still referenced). A buffer that anything still references, such as a DCP async
             save in flight, is never reused. ``te_ckpt_placement.release_buffers()`` frees them.
-        rollback: On a failure part-way through a streaming ``load_state_dict`` (after the
-            checkpoint was validated: a device error, an allocation failure, a
-            KeyboardInterrupt), put the previous optimizer state back. It costs host memory
-            equal to the live states the load overwrites, copied as the load goes; with
-            ``False`` a failed load leaves the optimizer unusable.
+        rollback: What a streaming ``load_state_dict`` does when it fails part-way, after the
+            checkpoint was validated (a device error, an allocation failure, a
+            KeyboardInterrupt). ``False`` (default) costs nothing: the load raises
+            ``te_ckpt_placement.te_load.PartialLoadError`` (a KeyboardInterrupt propagates with
+            a note) saying how many states were written; the optimizer then holds a mix of old
+            and loaded states, and loading the same checkpoint again repairs it. ``True`` puts
+            the previous state back exactly, at the price of a host copy of every live state
+            the load overwrites (as much host memory as the optimizer states, copied as the
+            load goes), which doubles the host memory of a load.
 
     Example:
         >>> Placement(device="cpu")
-        Placement(device='cpu', conversion='host', reuse_buffers=False, rollback=True)
+        Placement(device='cpu', conversion='host', reuse_buffers=False, rollback=False)
     """
 
     device: Literal["cpu"] | None = "cpu"
     conversion: Literal["host", "device"] = "host"
     reuse_buffers: bool = False
-    rollback: bool = True
+    rollback: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", _normalize_device(self.device))
@@ -101,7 +105,8 @@ class Placement:
         if not isinstance(self.rollback, bool):
             raise ValueError(
                 f"unsupported rollback {self.rollback!r}: valid values are True (a failed load "
-                "restores the previous state) or False (no host copy; a failed load is fatal)"
+                "restores the previous state) or False (no host copy; loading the checkpoint "
+                "again repairs a failed load)"
             )
 
     @property

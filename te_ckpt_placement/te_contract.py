@@ -152,12 +152,29 @@ def describe_state(
         return optimizer.get_unscaled_state(param, name)
 
     if dtype == torch.uint8:
-        data = getattr(local, "_data", None)
-        fp8 = fp8_torch_dtype(getattr(local, "_fp8_dtype", None))
-        scale_inv = getattr(local, "_scale_inv", None)
-        if placement.conversion == "device" or data is None or fp8 is None or scale_inv is None:
-            # Column-only FP8 storage or an unknown FP8 format: TE's own conversion, on device.
+        if placement.conversion == "device":
             return engine.StateSource(kind="device", on_device=on_device)
+        data = getattr(local, "_data", None)
+        fp8_format = getattr(local, "_fp8_dtype", None)
+        fp8 = fp8_torch_dtype(fp8_format)
+        scale_inv = getattr(local, "_scale_inv", None)
+        if data is None or fp8 is None or scale_inv is None:
+            # conversion="host" promises no GPU memory: never fall back to TE's GPU conversion.
+            found = (
+                "no rowwise _data (column-only FP8 storage)"
+                if data is None
+                else f"FP8 format {getattr(fp8_format, 'name', fp8_format)!r}"
+                if fp8 is None
+                else "no _scale_inv"
+            )
+            raise ContractError(
+                f"optimizer state {name!r} of parameter {index} is a {type(local).__name__} with "
+                f"{found}; the host conversion decodes rowwise {' and '.join(_FP8_DTYPES)} bytes "
+                "with a per-tensor _scale_inv only. Nothing was exported. Use "
+                "export_placement('cpu', conversion='device') (TE's own conversion on the GPU, one "
+                "state at a time: at most 4 bytes per element of the largest state) or "
+                "export_placement(None) (TE's own export)."
+            )
         return engine.StateSource(kind="fp8", data=data, scale=scale_inv, fp8_dtype=fp8)
 
     if not isinstance(local, torch.Tensor):

@@ -1,22 +1,35 @@
-"""The streaming import: TE FusedAdam's ``load_state_dict`` one state at a time.
+"""The streaming import: TE FusedAdam's ``load_state_dict`` without its bulk cast, pipelined.
 
 TE's own load (fused_adam.py L515-548 in TE 2.20.2,
 https://github.com/NVIDIA/TransformerEngine/blob/v2.20.2/transformer_engine/pytorch/optimizers/fused_adam.py)
 first lets torch cast every state of the checkpoint to the parameter's device and dtype, all at
-once, then converts each state again through ``set_scaled_state`` (L400-419). This module
-validates the whole checkpoint first, then writes each state into the live one through the same
-``set_scaled_state``, so the result is TE's bit for bit without the bulk cast. It reads TE's
-private ``_scales`` (L214, L452) and the storage rule of :mod:`te_ckpt_placement.te_contract`.
+once, then ignores those casts and converts each checkpoint value again through
+``set_scaled_state`` (L366-395): for a BF16 state ``_apply_scale`` (L276-310) rounds the FP32
+value to BF16 on the checkpoint's device (the host, for a host checkpoint) and copies it to the
+GPU; FP32 and int16 states are a plain copy; FP16 and FP8 states are scaled on the GPU.
+
+This module validates the whole checkpoint first, then writes every state into the live one, in
+place where its storage fits (:func:`_reusable`): BF16, FP32 and int16 states from host tensors
+through the pinned pipeline of :mod:`te_ckpt_placement.upload` (host conversion of chunk k+1
+overlapped with the copy of chunk k, no GPU memory), FP16 and FP8 states through TE's own
+``set_scaled_state`` on one FP32 device copy of the state, and device-resident checkpoints on the
+device, one state at a time. The result is TE's load bit for bit. It reads TE's private
+``_scales`` (L214, L452) and calls ``_initialize_state`` (L397-455) where TE's load would create a
+state, and uses the storage rule of :mod:`te_ckpt_placement.te_contract`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import engine
+from . import engine, upload
 from .te_contract import (
     STATE_NAMES,
     check_contract,
@@ -26,7 +39,35 @@ from .te_contract import (
     stored_dtype,
 )
 
-__all__ = ["initialize_states", "plan_load", "stream_load_state_dict"]
+__all__ = [
+    "PartialLoadError",
+    "initialize_states",
+    "load_state",
+    "load_states",
+    "plan_load",
+    "stream_load_state_dict",
+]
+
+
+class PartialLoadError(RuntimeError):
+    """A streaming load failed after it had started writing states (``rollback=False``).
+
+    The optimizer then holds a mix of the checkpoint's states and its previous ones. Loading the
+    same checkpoint again repairs it completely (the checkpoint itself is never written).
+
+    Attributes:
+        written: How many states had been written completely.
+        total: How many states the load writes.
+        index: The checkpoint key (or parameter position) of the state that failed.
+        name: The name of the state that failed.
+    """
+
+    def __init__(self, message: str, *, written: int, total: int, index: object, name: str):
+        super().__init__(message)
+        self.written = written
+        self.total = total
+        self.index = index
+        self.name = name
 
 
 def _load_error(index: object, name: str | None, problem: str) -> ValueError:
@@ -37,23 +78,38 @@ def _load_error(index: object, name: str | None, problem: str) -> ValueError:
     )
 
 
-def plan_load(
-    optimizer: Any, state_dict: Any
-) -> list[tuple[Any, torch.Tensor, dict[str, torch.Tensor]]]:
-    """Validates a checkpoint against the optimizer without touching either.
+def _structure_error(problem: str) -> ValueError:
+    return ValueError(
+        f"cannot load the optimizer checkpoint: {problem}, as FusedAdam.state_dict() returns. "
+        "Nothing was loaded; the optimizer is unchanged."
+    )
 
-    Checks what torch's and TE's ``load_state_dict`` would check, and what they would silently get
-    wrong: group layout, state names, local shapes, and int16 remainders against FP32 masters.
 
-    Returns:
-        ``[(index, param, {name: value})]``: every state to load, in checkpoint order.
-    """
+def _check_structure(optimizer: Any, state_dict: Any) -> None:
+    """The shape of the checkpoint dict, before anything reads into it."""
     if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
-        raise ValueError(
-            "cannot load the optimizer checkpoint: expected a dict with 'state' and "
-            "'param_groups', as FusedAdam.state_dict() returns. Nothing was loaded."
-        )
-    groups, saved_groups = optimizer.param_groups, state_dict["param_groups"]
+        raise _structure_error("expected a dict with 'state' and 'param_groups'")
+    if not isinstance(state_dict["state"], dict):
+        found = type(state_dict["state"]).__name__
+        raise _structure_error(f"'state' is a {found}; expected a dict of per-parameter dicts")
+    saved_groups = state_dict["param_groups"]
+    if not isinstance(saved_groups, (list, tuple)):
+        found = type(saved_groups).__name__
+        raise _structure_error(f"'param_groups' is a {found}; expected a list of dicts")
+    for i, group in enumerate(saved_groups):
+        if not isinstance(group, dict):
+            raise _structure_error(
+                f"param_groups[{i}] is a {type(group).__name__}; expected a dict with 'params'"
+            )
+        if "params" not in group:
+            raise _structure_error(f"param_groups[{i}] has no 'params'; expected a list of ids")
+        ids = group["params"]
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(k, Hashable) for k in ids):
+            raise _structure_error(
+                f"param_groups[{i}]['params'] is {type(ids).__name__} {ids!r:.60}; expected a "
+                "list of parameter ids"
+            )
+    groups = optimizer.param_groups
     if len(groups) != len(saved_groups):
         raise ValueError(
             f"loaded state dict has a different number of parameter groups ({len(saved_groups)}, "
@@ -66,7 +122,90 @@ def plan_load(
                 f"of optimizer's group ({len(s['params'])} != {len(g['params'])}). "
                 "Nothing was loaded."
             )
-    id_map = engine.indexed_params(saved_groups, groups)
+
+
+def _check_value(optimizer: Any, param: torch.Tensor, index: object, name: str, value: Any) -> None:
+    """One checkpoint value against the optimizer's storage of that state."""
+    if name not in optimizer.name_to_dtype_map:
+        raise _load_error(index, name, f"TE FusedAdam keeps only {', '.join(STATE_NAMES)}")
+    if not isinstance(value, torch.Tensor):
+        raise _load_error(index, name, f"expected a tensor, found {type(value).__name__}")
+    if (
+        isinstance(value, DTensor)
+        and isinstance(param, DTensor)
+        and tuple(value.placements) != tuple(param.placements)
+    ):
+        raise _load_error(
+            index,
+            name,
+            f"sharded as {tuple(value.placements)}, the parameter as "
+            f"{tuple(param.placements)}; load it through DCP, which reshards",
+        )
+    local = local_of(value)
+    if local.is_nested:
+        raise _load_error(index, name, "is a nested tensor; expected a dense tensor")
+    if local.layout != torch.strided:
+        raise _load_error(
+            index, name, f"has layout {local.layout}; expected a dense tensor (.to_dense())"
+        )
+    if local.is_meta:
+        raise _load_error(
+            index,
+            name,
+            "is on the meta device and holds no values; load the checkpoint's data "
+            "(e.g. torch.load(..., map_location='cpu'))",
+        )
+    if local.is_quantized:
+        raise _load_error(index, name, "is a quantized tensor; dequantize it first")
+    if local.is_complex():
+        raise _load_error(index, name, f"has complex dtype {local.dtype}; TE keeps real states")
+    expected = tuple(local_of(param).shape)
+    if tuple(local.shape) != expected:
+        raise _load_error(
+            index,
+            name,
+            f"local shape {tuple(local.shape)} does not match the parameter's {expected}",
+        )
+    remainder = is_remainder(optimizer, param, name)
+    if remainder and local.dtype != torch.int16:
+        raise _load_error(
+            index,
+            name,
+            f"stored as {local.dtype}, but this optimizer keeps int16 remainders "
+            "(store_param_remainders=True); load with the setting the checkpoint was "
+            "saved with",
+        )
+    if not remainder and not local.is_floating_point():
+        raise _load_error(
+            index,
+            name,
+            f"stored as {local.dtype}, but this optimizer keeps floating-point states"
+            + (
+                " (an int16 master_param comes from store_param_remainders=True)"
+                if local.dtype == torch.int16
+                else ""
+            ),
+        )
+    if optimizer.name_to_dtype_map[name] in (torch.float16, torch.uint8) and local.numel() == 0:
+        # TE's _apply_scale takes the aminmax of the state (L298), which fails on no elements.
+        raise _load_error(index, name, "TE cannot scale an empty FP16/FP8 state")
+
+
+def plan_load(
+    optimizer: Any, state_dict: Any
+) -> list[tuple[Any, torch.Tensor, dict[str, torch.Tensor]]]:
+    """Validates a checkpoint against the optimizer without touching either.
+
+    Checks what torch's and TE's ``load_state_dict`` would check, and what they would fail on
+    part-way or silently get wrong: the dict's structure, group layout, state names, local
+    shapes, tensor kinds (meta, sparse, nested, quantized, complex), and int16 remainders against
+    FP32 masters. Every problem is a ``ValueError`` naming it.
+
+    Returns:
+        ``[(index, param, {name: value})]``: every state to load, in checkpoint order.
+    """
+    _check_structure(optimizer, state_dict)
+    id_map = engine.indexed_params(state_dict["param_groups"], optimizer.param_groups)
     plan = []
     for index, states in state_dict["state"].items():
         if index not in id_map:
@@ -78,56 +217,14 @@ def plan_load(
         for name, value in states.items():
             if value is None:
                 continue
-            if name not in optimizer.name_to_dtype_map:
-                raise _load_error(index, name, f"TE FusedAdam keeps only {', '.join(STATE_NAMES)}")
-            if not isinstance(value, torch.Tensor):
-                raise _load_error(index, name, f"expected a tensor, found {type(value).__name__}")
-            if (
-                isinstance(value, DTensor)
-                and isinstance(param, DTensor)
-                and tuple(value.placements) != tuple(param.placements)
-            ):
-                raise _load_error(
-                    index,
-                    name,
-                    f"sharded as {tuple(value.placements)}, the parameter as "
-                    f"{tuple(param.placements)}; load it through DCP, which reshards",
-                )
-            local = local_of(value)
-            expected = tuple(local_of(param).shape)
-            if tuple(local.shape) != expected:
-                raise _load_error(
-                    index,
-                    name,
-                    f"local shape {tuple(local.shape)} does not match the parameter's {expected}",
-                )
-            remainder = is_remainder(optimizer, param, name)
-            if remainder and local.dtype != torch.int16:
-                raise _load_error(
-                    index,
-                    name,
-                    f"stored as {local.dtype}, but this optimizer keeps int16 remainders "
-                    "(store_param_remainders=True); load with the setting the checkpoint was "
-                    "saved with",
-                )
-            if not remainder and not local.is_floating_point():
-                raise _load_error(
-                    index,
-                    name,
-                    f"stored as {local.dtype}, but this optimizer keeps floating-point states"
-                    + (
-                        " (an int16 master_param comes from store_param_remainders=True)"
-                        if local.dtype == torch.int16
-                        else ""
-                    ),
-                )
+            _check_value(optimizer, param, index, name, value)
             entries[name] = value
         plan.append((index, param, entries))
     return plan
 
 
 def _reusable(optimizer: Any, param: torch.Tensor, name: str, live: Any) -> Any:
-    """The live state tensor to write into, or None when TE must allocate a new one."""
+    """The live state tensor to write into, or None when a new one must be allocated."""
     if live is None or isinstance(live, DTensor) != isinstance(param, DTensor):
         return None
     stored = raw_storage(optimizer, param, name, live)
@@ -137,11 +234,27 @@ def _reusable(optimizer: Any, param: torch.Tensor, name: str, live: Any) -> Any:
         return None
     if tuple(stored.shape) != tuple(local_of(param).shape):
         return None
+    if upload.memory_order(stored) is None:
+        return None
     if optimizer.name_to_dtype_map[name] != torch.float32 and name not in optimizer._scales.get(
         param, {}
     ):
         return None
     return live
+
+
+def _written_tensors(optimizer: Any, param: torch.Tensor, name: str, live: Any) -> list[Any]:
+    """Every tensor a load writes for one state: its storage, FP8 metadata, and its scale."""
+    local = local_of(live)
+    out: list[Any] = []
+    if hasattr(local, "_data"):  # FP8: bytes, scale_inv, the transpose, the quantizer's tensors
+        out += [getattr(local, attr, None) for attr in ("_data", "_scale_inv", "_transpose")]
+        quantizer = getattr(local, "_quantizer", None)
+        out += [getattr(quantizer, attr, None) for attr in ("scale", "amax")]
+    else:
+        out.append(local)
+    out.append(optimizer._scales.get(param, {}).get(name))
+    return [t for t in out if isinstance(t, torch.Tensor)]
 
 
 class _Rollback:
@@ -164,85 +277,381 @@ class _Rollback:
             self.saved.append((tensor, tensor.to("cpu", copy=True)))
 
     def keep_state(self, optimizer: Any, param: torch.Tensor, name: str, live: Any) -> None:
-        local = local_of(live)
-        if hasattr(local, "_data"):  # FP8: bytes, scale_inv, and the quantizer TE rewrites
-            for attr in ("_data", "_scale_inv", "_transpose"):
-                self.keep(getattr(local, attr, None))
-            quantizer = getattr(local, "_quantizer", None)
-            for attr in ("scale", "amax"):
-                self.keep(getattr(quantizer, attr, None))
-        else:
-            self.keep(local)
-        self.keep(optimizer._scales.get(param, {}).get(name))
+        for tensor in _written_tensors(optimizer, param, name, live):
+            self.keep(tensor)
 
     def restore(self, optimizer: Any) -> None:
-        for tensor, host in reversed(self.saved):
-            tensor.copy_(host)
+        with torch.no_grad():
+            for tensor, host in reversed(self.saved):
+                tensor.copy_(host)
         optimizer.state = self.state
         optimizer.param_groups = self.param_groups
         optimizer._scales.clear()
         optimizer._scales.update(self.scales)
 
 
+@dataclass
+class _Job:
+    """One state to write: where it came from (for messages) and the checkpoint value."""
+
+    index: object
+    param: torch.Tensor
+    name: str
+    value: torch.Tensor
+
+    @property
+    def local(self) -> Any:
+        return local_of(self.value)
+
+
+def _plain(t: Any) -> bool:
+    return type(t) in (torch.Tensor, torch.nn.Parameter)
+
+
+class _Span(NamedTuple):
+    """The bytes a tensor can touch, and whose they are (a job's source or its destination)."""
+
+    device: tuple[str, int]
+    first: int
+    end: int
+    written: bool
+    job: int
+
+
+def _span(t: Any, written: bool, job: int) -> _Span | None:
+    if not isinstance(t, torch.Tensor) or t.numel() == 0:
+        return None
+    try:
+        base = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):  # a wrapper subclass
+        return None
+    size = t.element_size()
+    first = base + int(t.storage_offset()) * size
+    extent = sum((int(n) - 1) * abs(int(s)) for n, s in zip(t.shape, t.stride(), strict=True))
+    device = (t.device.type, -1 if t.device.index is None else t.device.index)
+    return _Span(device, first, first + (extent + 1) * size, written, job)
+
+
+def _identical(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.device == b.device
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.data_ptr() == b.data_ptr()
+    )
+
+
+def _aliased(optimizer: Any, jobs: list[_Job]) -> set[int]:
+    """The jobs whose live state shares memory with a checkpoint value.
+
+    Writing such a state in place would change a value that this or a later write reads, and
+    the caller's checkpoint (a view of a live state, a DTensor's local tensor, FP8 bytes). Those
+    states get fresh memory instead, as TE's load gives every state, and the old tensor lives on
+    as the checkpoint's value. A value that is exactly its own FP32 or int16 state (TE's own
+    export returns those live tensors) is written onto itself unchanged and needs nothing.
+    """
+    spans: list[_Span] = []
+    for j, job in enumerate(jobs):
+        local = job.local
+        span = _span(local if _plain(local) else getattr(local, "_data", None), False, j)
+        if span is not None:
+            spans.append(span)
+        live = optimizer.state.get(job.param, {}).get(job.name)
+        if live is None or _reusable(optimizer, job.param, job.name, live) is None:
+            continue
+        for tensor in _written_tensors(optimizer, job.param, job.name, live):
+            span = _span(tensor, True, j)
+            if span is not None:
+                spans.append(span)
+    spans.sort(key=lambda s: (s.device, s.first))
+    clobbered: set[int] = set()
+    active: list[_Span] = []
+    for span in spans:
+        active = [a for a in active if a.device == span.device and a.end > span.first]
+        for other in active:
+            if other.written == span.written:
+                continue
+            dst, src = (other, span) if other.written else (span, other)
+            job = jobs[dst.job]
+            if dst.job == src.job and _raw_write(optimizer, job) and _plain(job.local):
+                live = local_of(optimizer.state[job.param][job.name])
+                if _identical(live, job.local):
+                    continue
+            clobbered.add(dst.job)
+        active.append(span)
+    return clobbered
+
+
+def _raw_write(optimizer: Any, job: _Job) -> bool:
+    """Whether the state is stored as the checkpoint holds it (FP32 from FP32, int16)."""
+    if is_remainder(optimizer, job.param, job.name):
+        return True
+    return bool(
+        optimizer.name_to_dtype_map[job.name] == torch.float32 and job.local.dtype == torch.float32
+    )
+
+
+@contextmanager
+def _uploaders() -> Iterator[Any]:
+    """Uploaders by device, entered on first use; leaving waits for every copy."""
+    with ExitStack() as stack:
+        open_: dict[torch.device, upload.Uploader] = {}
+
+        def get(device: torch.device) -> upload.Uploader:
+            if device not in open_:
+                open_[device] = stack.enter_context(upload.Uploader(device))
+            return open_[device]
+
+        yield get
+
+
+def _write_one(
+    optimizer: Any, job: _Job, uploader: Any, undo: _Rollback | None, fresh: bool
+) -> None:
+    """Writes one state as TE's ``load_state_dict`` leaves it (L532-548 with L366-455)."""
+    param, name = job.param, job.name
+    state = optimizer.state[param]
+    remainder = is_remainder(optimizer, param, name)
+    kind = optimizer.name_to_dtype_map[name]
+    live = state.get(name)
+    if live is not None and (fresh or _reusable(optimizer, param, name, live) is None):
+        del state[name]
+        live = None
+    if live is not None:
+        if undo is not None:
+            undo.keep_state(optimizer, param, name, live)
+        if kind != torch.float32:
+            # TE's load starts every scale from a fresh torch.ones (L452).
+            optimizer._scales[param][name].fill_(1.0)
+    else:
+        # What set_scaled_state does for a missing state (L387-388); TE's load gets there for
+        # every state, as it empties the param's dict first (L536).
+        optimizer._initialize_state(param, name, False, remainder)
+        live = state[name]
+    value = job.local
+    if not _plain(value):  # a tensor subclass: TE's own conversion, as TE's load runs it
+        optimizer.set_scaled_state(param, name, value if remainder else value.float())
+        return
+    device = local_of(param).device
+    if remainder or kind in (torch.float32, torch.bfloat16):
+        dst = local_of(live)
+        if value.device.type == "cpu":
+            uploader(dst.device).write(dst, value)
+        else:
+            upload.write_device(dst, value)
+        return
+    # FP16 and FP8: TE scales on the state's device (_apply_scale, L276-310), from one FP32 copy
+    # of the state; it moves a value from elsewhere there itself (L296) and scales a value
+    # already there where it is, FP16 in place (L307).
+    if value.device.type == "cpu" and (
+        device.type != "cpu" or upload.memory_order(value) is not None
+    ):
+        # The pinned pipeline, into the layout TE's move would give (the CPU stand-in gets
+        # here for dense values only, whose layout that is).
+        up = uploader(device)
+        unscaled = torch.empty_strided(
+            value.shape, upload.te_layout_like(value, torch.float32), device=device
+        )
+        try:
+            up.write(unscaled, value)
+            up.fence()
+            optimizer.set_scaled_state(param, name, unscaled)
+        finally:
+            # Freed on the current stream after the fence, so no copy still writes it; and
+            # not kept alive by the traceback of a failure.
+            del unscaled
+        return
+    unscaled = value.float()
+    if kind == torch.float16 and unscaled is value and value.device == device:
+        unscaled = _copy_as_is(value)  # TE would scale the caller's tensor in place
+    try:
+        optimizer.set_scaled_state(param, name, unscaled)
+    finally:
+        del unscaled
+
+
+def _copy_as_is(t: torch.Tensor) -> torch.Tensor:
+    """A copy with ``t``'s strides, gaps included (host arithmetic can depend on the layout)."""
+    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    out.copy_(t)
+    return out
+
+
+def _note(exc: BaseException, message: str) -> None:
+    if hasattr(exc, "add_note"):
+        exc.add_note(message)
+
+
+def _write_all(optimizer: Any, prepare: Callable[[], list[_Job]], undo: _Rollback | None) -> None:
+    """Writes the jobs ``prepare`` sets up; on a failure restores (``undo``) or says exactly
+    what was written."""
+    jobs: list[_Job] = []
+    written = 0
+    job: _Job | None = None
+    try:
+        jobs = prepare()
+        fresh = _aliased(optimizer, jobs)
+        with _uploaders() as uploader, torch.no_grad():
+            for i, job in enumerate(jobs):
+                _write_one(optimizer, job, uploader, undo, i in fresh)
+                written += 1
+    except BaseException as exc:
+        if undo is not None:
+            try:
+                undo.restore(optimizer)
+            except BaseException as again:
+                raise RuntimeError(
+                    "loading the optimizer checkpoint failed part-way and restoring the previous "
+                    "state failed too: the optimizer is inconsistent; rebuild it before training"
+                ) from again
+            _note(exc, "te_ckpt_placement: the optimizer's previous state was restored.")
+            raise
+        if job is None:
+            where = "preparing the first write failed"
+        elif written < len(jobs):
+            where = f"state {job.name!r} of parameter {job.index} failed"
+        else:
+            where = "waiting for the last copies failed"
+        message = (
+            f"loading the optimizer checkpoint failed part-way: {written} of {len(jobs)} states "
+            f"were written, then {where} ({type(exc).__name__}: {exc}). The optimizer now holds a "
+            "mix of the checkpoint's states and its previous ones and must not be used as it is: "
+            "call load_state_dict again with the same checkpoint (that repairs it completely; "
+            "the checkpoint was not modified) or load another one. Placement(rollback=True) "
+            "restores the previous state instead, at the cost of a host copy of the overwritten "
+            "states."
+        )
+        if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: keep propagating
+            _note(exc, message)
+            raise
+        raise PartialLoadError(
+            message,
+            written=written,
+            total=len(jobs),
+            index=job.index if job is not None else None,
+            name=job.name if job is not None else "",
+        ) from exc
+
+
+@contextmanager
+def _post_hooks_deferred(optimizer: Any) -> Iterator[OrderedDict[Any, Any]]:
+    """Holds back torch's load post-hooks while torch's part of the load runs.
+
+    Yields the hooks to run, with torch's arguments (the optimizer), once the states are written.
+    """
+    hooks = getattr(optimizer, "_optimizer_load_state_dict_post_hooks", None)
+    if not isinstance(hooks, OrderedDict):
+        yield OrderedDict()  # a torch without them: nothing to defer
+        return
+    optimizer._optimizer_load_state_dict_post_hooks = OrderedDict()
+    try:
+        yield hooks
+    finally:
+        optimizer._optimizer_load_state_dict_post_hooks = hooks
+
+
 def stream_load_state_dict(
-    optimizer: Any, state_dict: Any, owner: type, *, rollback: bool = True
+    optimizer: Any, state_dict: Any, owner: type, *, rollback: bool = False
 ) -> None:
     """TE's ``load_state_dict`` (L515-548) without torch's bulk cast of every state to the GPU.
 
-    Every state goes from the checkpoint into the live state one at a time, through TE's own
-    ``set_scaled_state``, so the result is TE's bit for bit. Live tensors are written in place
-    where shape and dtype match. The checkpoint is never modified. A checkpoint that does not fit
-    fails validation before anything changes; a failure part-way (an allocation, a device error,
-    a KeyboardInterrupt) puts the previous state back when ``rollback`` is set (see _Rollback).
+    The whole checkpoint is validated first (:func:`plan_load`): a checkpoint that does not fit
+    raises ``ValueError`` before anything changes. torch's ``Optimizer.load_state_dict`` then
+    loads the groups and unknown keys, every state goes from the checkpoint into the live state
+    (see the module docstring), and torch's load post-hooks run last, with the states in place.
+    The checkpoint is never modified.
+
+    A failure part-way (an allocation, a device error, a KeyboardInterrupt) puts the previous
+    state back when ``rollback`` is set (see _Rollback); otherwise it raises
+    :class:`PartialLoadError` (a KeyboardInterrupt propagates with a note) saying how many states
+    were written, and loading the same checkpoint again repairs the optimizer.
     """
     check_contract(optimizer)
     plan = plan_load(optimizer, state_dict)
-    # Capture the live states before torch replaces optimizer.state.
+    # The live states, before torch replaces optimizer.state.
     live = {param: dict(optimizer.state.get(param, {})) for _, param, _ in plan}
     planned = {index for index, _, _ in plan}
-    # torch handles param_groups, hooks and unknown keys; each param's entry is an empty dict, so
-    # it casts nothing but keeps the entry order TE's load would produce.
+    # torch handles param_groups, pre-hooks and unknown keys; each param's entry is an empty
+    # dict, so it casts nothing but keeps the entry order TE's load would produce.
     stripped = dict(state_dict)
     stripped["state"] = {k: ({} if k in planned else v) for k, v in state_dict["state"].items()}
     undo = _Rollback(optimizer) if rollback else None
-    try:
+    with _post_hooks_deferred(optimizer) as post_hooks:
+        # Changes nothing if it fails (torch sets the new state last).
         super(owner, optimizer).load_state_dict(stripped)  # type: ignore[arg-type]
-        for _, param, entries in plan:
-            state: dict[str, Any] = {}
-            optimizer.state[param] = state
-            for name, value in entries.items():
-                reuse = _reusable(optimizer, param, name, live[param].get(name))
-                if reuse is not None:
-                    if undo is not None:
-                        undo.keep_state(optimizer, param, name, reuse)
-                    state[name] = reuse
-                    if optimizer.name_to_dtype_map[name] != torch.float32:
-                        # TE's load starts every scale from a fresh torch.ones (L452).
-                        optimizer._scales[param][name].fill_(1.0)
-                _load_one(optimizer, param, name, value)
-    except BaseException:
-        if undo is None:
-            raise
-        try:
-            undo.restore(optimizer)
-        except BaseException as again:
-            raise RuntimeError(
-                "loading the optimizer checkpoint failed part-way and restoring the previous "
-                "state failed too: the optimizer is inconsistent; rebuild it before training"
-            ) from again
-        raise
+
+    def prepare() -> list[_Job]:
+        jobs = []
+        for index, param, entries in plan:
+            # TE empties each param's states (L536); the live tensors stay for in-place writes.
+            optimizer.state[param] = {
+                name: live[param][name] for name in entries if name in live[param]
+            }
+            jobs += [_Job(index, param, name, value) for name, value in entries.items()]
+        live.clear()  # the states TE's load drops are freed before anything is allocated
+        return jobs
+
+    _write_all(optimizer, prepare, undo)
+    for _, param, entries in plan:
+        state = optimizer.state[param]
+        if list(state) != list(entries):  # TE's order: the checkpoint's (new states went last)
+            optimizer.state[param] = {name: state[name] for name in entries}
+    for hook in post_hooks.values():
+        hook(optimizer)
 
 
-def _load_one(optimizer: Any, param: torch.Tensor, name: str, value: torch.Tensor) -> None:
-    local = local_of(value)
-    if is_remainder(optimizer, param, name):
-        optimizer.set_scaled_state(param, name, local)
-        return
-    unscaled = local.float()
-    if unscaled is local and unscaled.device == local_of(param).device:
-        # TE scales FP16/FP8 inputs in place (L307); never in the caller's tensor.
-        unscaled = unscaled.clone()
-    optimizer.set_scaled_state(param, name, unscaled)
+def load_states(
+    optimizer: Any, states: Iterable[tuple[torch.Tensor, str, Any]], *, rollback: bool = False
+) -> None:
+    """Writes ``(param, name, value)`` states into a TE FusedAdam exactly as its load would.
+
+    Every triple is validated first (the parameter belongs to the optimizer, the name is a
+    FusedAdam state, the value fits its storage); a problem raises ``ValueError`` before anything
+    changes. Each state is then written as TE's ``load_state_dict`` writes it (a fresh scale for
+    FP16/FP8, TE's rounding), into the live tensor where it fits, through the same pipeline as
+    :func:`stream_load_state_dict`. Values may be host or device tensors, or DTensors with the
+    parameter's placements. Other states, the groups and the hooks are left alone.
+
+    Args:
+        optimizer: A TE ``FusedAdam``.
+        states: ``(param, name, value)`` triples; ``param`` is one of ``optimizer``'s parameters.
+        rollback: On a failure part-way, put the written states back (a host copy of each
+            overwritten state, made as the load goes); otherwise raise :class:`PartialLoadError`.
+    """
+    check_contract(optimizer)
+    position = {
+        id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])
+    }
+    jobs: list[_Job] = []
+    seen: set[tuple[int, str]] = set()
+    for param, name, value in states:
+        index = position.get(id(param))
+        if index is None:
+            raise ValueError(
+                f"cannot load state {name!r}: the tensor given as its parameter (shape "
+                f"{tuple(getattr(param, 'shape', ()))}) is not a parameter of this optimizer. "
+                "Nothing was loaded."
+            )
+        if (id(param), name) in seen:
+            raise _load_error(index, name, "given twice")
+        seen.add((id(param), name))
+        _check_value(optimizer, param, index, name, value)
+        jobs.append(_Job(index, param, name, value))
+    undo = _Rollback(optimizer) if rollback else None
+    _write_all(optimizer, lambda: jobs, undo)
+
+
+def load_state(optimizer: Any, param: torch.Tensor, name: str, value: Any) -> None:
+    """Writes one checkpoint value into a TE FusedAdam state as its ``load_state_dict`` would.
+
+    The per-state entry point for loaders that stream checkpoint items one at a time (a DCP
+    load planner): ``value`` (host or device tensor, or a DTensor with ``param``'s placements)
+    is validated against the state's storage and written in place where it fits, BF16/FP32/int16
+    from the host through the pinned pipeline. A failure after validation leaves that one state
+    partly written; writing it again repairs it. See :func:`load_states`.
+    """
+    load_states(optimizer, [(param, name, value)])
 
 
 def initialize_states(optimizer: Any) -> bool:

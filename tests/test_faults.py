@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any
 
 import pytest
 import torch
 
-from te_ckpt_placement import current_placement, engine, export_placement, te_load
+from te_ckpt_placement import Placement, current_placement, engine, export_placement, te_load
 
 from .helpers import assert_same_export, assert_snapshot_equal, snapshot
 from .standin import StandInFusedAdam, make_optimizer, train
@@ -96,36 +97,139 @@ def assert_view_equal(a: tuple[Any, ...], b: tuple[Any, ...]) -> None:
             assert torch.equal(a[2][i][n], b[2][i][n]), f"scale {i}.{n} changed"
 
 
+# Where a load can fail: before a state is written, between chunks of a state's copy (the
+# chunks are small, so states span several), or in TE's scaling of an FP16/FP8 state.
+LOAD_FAULTS = {
+    "state": (te_load, "_write_one"),
+    "chunk": (engine._Stager, "copy_async"),
+    "scale": (StandInFusedAdam, "set_scaled_state"),
+}
+LOAD_MODES = [(torch.bfloat16, "remainder"), (torch.float16, "fp16"), (torch.uint8, "fp32")]
+LOAD_CASES = [
+    (moments, master, where)
+    for moments, master in LOAD_MODES
+    for where in LOAD_FAULTS
+    if not (where == "scale" and moments == torch.bfloat16)  # BF16/int16: no scaling at all
+]
+
+
+@pytest.fixture
+def tiny_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine, "CHUNK_BYTES", 64)
+
+
+def inject(monkeypatch: pytest.MonkeyPatch, where: str, k: int, exc: BaseException) -> None:
+    owner, attr = LOAD_FAULTS[where]
+    monkeypatch.setattr(owner, attr, nth_call_raises(k, exc, getattr(owner, attr)))
+
+
+def te_loaded(moments: torch.dtype, master: str, checkpoint: dict[str, Any]) -> Any:
+    """TE's own load of ``checkpoint`` into a fresh twin of the target."""
+    reference = build(moments, master, seed=2)
+    reference.load_state_dict(copy.deepcopy(checkpoint))
+    return reference
+
+
 @pytest.mark.parametrize("exc", [RuntimeError("CUDA error: injected"), KeyboardInterrupt()])
 @pytest.mark.parametrize("k", [1, 4, 8])
-@pytest.mark.parametrize(
-    ("moments", "master"),
-    [(torch.bfloat16, "remainder"), (torch.float16, "fp16"), (torch.uint8, "fp32")],
-)
+@pytest.mark.parametrize(("moments", "master", "where"), LOAD_CASES)
 def test_load_fault_rolls_back_exactly(
-    monkeypatch: pytest.MonkeyPatch, exc: BaseException, k: int, moments: torch.dtype, master: str
+    monkeypatch: pytest.MonkeyPatch,
+    tiny_chunks: None,
+    exc: BaseException,
+    k: int,
+    moments: torch.dtype,
+    master: str,
+    where: str,
 ) -> None:
     source = build(moments, master, seed=1)
     with export_placement("cpu"):
         checkpoint = source.state_dict()
     target = build(moments, master, seed=2)
     before, state_obj = optimizer_view(target), target.state
-    monkeypatch.setattr(
-        StandInFusedAdam,
-        "set_scaled_state",
-        nth_call_raises(k, exc, StandInFusedAdam.set_scaled_state),
-    )
-    with pytest.raises(type(exc)), export_placement("cpu"):
+    inject(monkeypatch, where, k, exc)
+    with pytest.raises(type(exc)), export_placement("cpu", rollback=True):
         target.load_state_dict(checkpoint)
     monkeypatch.undo()
     assert target.state is state_obj
     assert_view_equal(before, optimizer_view(target))
+    assert engine.staging_in_use() == 0
     # ... and the optimizer still works: a retried load gives exactly TE's result.
-    reference = build(moments, master, seed=2)
-    reference.load_state_dict(copy.deepcopy(checkpoint))
+    with export_placement("cpu"):
+        target.load_state_dict(checkpoint)
+    assert_view_equal(
+        optimizer_view(te_loaded(moments, master, checkpoint)), optimizer_view(target)
+    )
+
+
+def states_in_order(opt: Any) -> list[tuple[int, str, torch.Tensor]]:
+    params = [p for g in opt.param_groups for p in g["params"]]
+    view = snapshot(opt)
+    return [(i, name, bits) for i, p in enumerate(params) for name, bits in view.get(p, {}).items()]
+
+
+@pytest.mark.parametrize("k", [1, 5, 12])
+@pytest.mark.parametrize(("moments", "master"), LOAD_MODES)
+def test_load_fault_without_rollback_says_what_was_written_and_a_retry_repairs(
+    monkeypatch: pytest.MonkeyPatch, tiny_chunks: None, k: int, moments: torch.dtype, master: str
+) -> None:
+    source = build(moments, master, seed=1)
+    with export_placement("cpu"):
+        checkpoint = source.state_dict()
+    target = build(moments, master, seed=2)
+    old = states_in_order(target)
+    inject(monkeypatch, "state", k, RuntimeError("CUDA error: injected"))
+    with pytest.raises(te_load.PartialLoadError) as caught:
+        with export_placement("cpu"):  # rollback=False is the default
+            target.load_state_dict(checkpoint)
+    monkeypatch.undo()
+    error = caught.value
+    assert (error.written, error.total) == (k - 1, 12)
+    assert isinstance(error.__cause__, RuntimeError) and "injected" in str(error.__cause__)
+    expected_where = (k - 1) // 3, ("exp_avg", "exp_avg_sq", "master_param")[(k - 1) % 3]
+    assert (error.index, error.name) == expected_where
+    message = str(error)
+    assert f"{k - 1} of 12 states were written" in message
+    assert f"state {expected_where[1]!r} of parameter {expected_where[0]} failed" in message
+    assert "load_state_dict again with the same checkpoint" in message
+    assert engine.staging_in_use() == 0
+    # The mix the message describes: written states are TE's, the others still the old ones.
+    reference = te_loaded(moments, master, checkpoint)
+    now, loaded = states_in_order(target), states_in_order(reference)
+    assert [(i, n) for i, n, _ in now] == [(i, n) for i, n, _ in loaded]
+    assert all(torch.equal(a[2], b[2]) for a, b in zip(now[: k - 1], loaded[: k - 1], strict=True))
+    assert all(torch.equal(a[2], b[2]) for a, b in zip(now[k:], old[k:], strict=True))
     with export_placement("cpu"):
         target.load_state_dict(checkpoint)
     assert_view_equal(optimizer_view(reference), optimizer_view(target))
+
+
+@pytest.mark.parametrize("where", ["state", "chunk"])
+def test_interrupt_without_rollback_keeps_propagating_with_a_note(
+    monkeypatch: pytest.MonkeyPatch, tiny_chunks: None, where: str
+) -> None:
+    source, target = build(seed=1), build(seed=2)
+    with export_placement("cpu"):
+        checkpoint = source.state_dict()
+    inject(monkeypatch, where, 6, KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt) as caught, export_placement("cpu"):
+        target.load_state_dict(checkpoint)
+    monkeypatch.undo()
+    notes = "\n".join(getattr(caught.value, "__notes__", []))
+    if hasattr(caught.value, "add_note"):
+        assert "states were written" in notes and "same checkpoint" in notes
+    assert engine.staging_in_use() == 0
+    with export_placement("cpu"):
+        target.load_state_dict(checkpoint)
+    assert_view_equal(
+        optimizer_view(te_loaded(torch.bfloat16, "fp32", checkpoint)), optimizer_view(target)
+    )
+
+
+def test_rollback_is_opt_in() -> None:
+    assert Placement().rollback is False
+    assert export_placement("cpu").placement.rollback is False
+    assert export_placement("cpu", rollback=True).placement.rollback is True
 
 
 def test_load_without_rollback_keeps_no_host_copy(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -137,9 +241,69 @@ def test_load_without_rollback_keeps_no_host_copy(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(
         te_load._Rollback, "keep", lambda self, t: kept.append(t) or real_keep(self, t)
     )
-    with export_placement("cpu", rollback=False):
-        target.load_state_dict(checkpoint)
-    assert kept == []
     with export_placement("cpu"):
         target.load_state_dict(checkpoint)
+    assert kept == []
+    with export_placement("cpu", rollback=True):
+        target.load_state_dict(checkpoint)
     assert kept, "rollback=True made no copies"
+
+
+def _peak_rss_reset() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM, the kernel's exact peak RSS, to the current RSS
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not _peak_rss_reset(), reason="needs Linux /proc/self/clear_refs")
+def test_load_host_peak_is_bounded_without_rollback_and_a_full_copy_with_it() -> None:
+    """Issue 11 item 2: a streamed load's own host peak is <= 256 MiB plus one chunk's
+    temporaries (the checkpoint excluded); rollback=True costs a full host copy (R bytes)."""
+    from te_ckpt_placement.te_load import initialize_states
+
+    n = 48 << 20  # elements: 96 MiB BF16 moments, 96 MiB int16 remainders
+    param = torch.nn.Parameter(torch.zeros(n, dtype=torch.bfloat16))
+    opt = make_optimizer([param], moments=torch.bfloat16, master="remainder")
+    assert initialize_states(opt)
+    checkpoint = {
+        "state": {
+            0: {
+                "exp_avg": torch.full((n,), 0.25),
+                "exp_avg_sq": torch.full((n,), 0.5),
+                "master_param": torch.full((n,), 3, dtype=torch.int16),
+            }
+        },
+        "param_groups": [{**opt.param_groups[0], "params": [0]}],
+    }
+    written = 3 * 2 * n  # R: bytes of the stored states
+    with export_placement("cpu"):
+        opt.load_state_dict(checkpoint)  # warms the staging pool
+    peaks = []
+    for policy in (export_placement("cpu"), export_placement("cpu", rollback=True)):
+        base = _rss()
+        assert _peak_rss_reset()
+        with policy:
+            opt.load_state_dict(checkpoint)
+        peaks.append(_peak_rss() - base)
+    default, with_rollback = peaks
+    limit = (256 << 20) + 2 * engine.CHUNK_BYTES
+    assert default <= limit, f"the load's own host peak {default} > {limit}"
+    # The measurement sees a full copy (pages malloc already holds may absorb a little).
+    assert with_rollback >= 0.9 * written, f"rollback=True peaked at {with_rollback} < R {written}"
+    assert bool((param.float() == 0).all())  # the param itself is never touched

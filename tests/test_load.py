@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 from typing import Any
 
 import pytest
 import torch
 
-from te_ckpt_placement import export_placement
+from te_ckpt_placement import engine, export_placement
 
 from .helpers import assert_same_export, assert_snapshot_equal, bits, local, snapshot
+from .load_cases import LAYOUTS, raw_bits, restride, vary_checkpoint, with_special_values
 from .standin import StandInFusedAdam, make_optimizer, train
 
 MOMENTS = [torch.float32, torch.bfloat16, torch.float16, torch.uint8]
@@ -270,3 +272,550 @@ def test_initialize_states_skips_when_grads_exist() -> None:
     first.grad = torch.zeros_like(first)
     assert not initialize_states(opt)
     assert not opt.state
+
+
+# --- the pipeline: chunked, any layout, special values ------------------------------------------
+
+LARGE_SHAPES = [(40, 33), (1100,), (3, 20, 9), (1,), ()]
+
+
+@pytest.fixture
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of 1 KiB: every state above 512 elements crosses several, and the ring wraps."""
+    monkeypatch.setattr(engine, "CHUNK_BYTES", 1024)
+
+
+def build_large(moments: torch.dtype, master: str, seed: int) -> StandInFusedAdam:
+    param_dtype = {"remainder": torch.bfloat16, "fp16": torch.float16}.get(master, torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    scaled = moments in (torch.float16, torch.uint8) or master == "fp16"
+    # TE cannot scale a 0-d state (its one-element scale does not broadcast into it, L307).
+    shapes = [s for s in LARGE_SHAPES if s or not scaled]
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(param_dtype)) for s in shapes]
+    opt = make_optimizer(
+        [{"params": params[:2]}, {"params": params[2:], "lr": 1e-3}], moments=moments, master=master
+    )
+    train(opt, steps=2, seed=seed + 100)
+    return opt
+
+
+def frozen_bits(checkpoint: dict[str, Any]) -> list[torch.Tensor]:
+    return [raw_bits(t) for states in checkpoint["state"].values() for t in states.values()]
+
+
+def count_calls(monkeypatch: pytest.MonkeyPatch, owner: Any, attr: str) -> list[int]:
+    calls = [0]
+    real = getattr(owner, attr)
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, attr, counting)
+    return calls
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(("moments", "master"), list(itertools.product(MOMENTS, MASTERS)))
+def test_pipeline_equals_te_load_for_any_layout_and_special_values(
+    small_chunks: None, monkeypatch: pytest.MonkeyPatch, layout: str, moments: Any, master: str
+) -> None:
+    source = build_large(moments, master, seed=0)
+    with export_placement("cpu"):
+        checkpoint = vary_checkpoint(source.state_dict(), layout=layout, special=True)
+    before_bits = frozen_bits(checkpoint)
+    target, reference = build_large(moments, master, seed=7), build_large(moments, master, seed=7)
+    before = storages(target)
+    copies = count_calls(monkeypatch, engine._Stager, "copy_async")
+    with export_placement("cpu"):
+        target.load_state_dict(checkpoint)
+    monkeypatch.undo()
+    with export_placement(None):
+        reference.load_state_dict(copy.deepcopy(checkpoint))
+    assert_same_optimizer(target, reference)
+    assert storages(target) == before, "live state storage was not reused"
+    after_bits = frozen_bits(checkpoint)
+    assert all(torch.equal(a, b) for a, b in zip(before_bits, after_bits, strict=True))
+    # One copy per state at least, several for the large ones; FP16/FP8 states stream too
+    # unless a non-dense host value is scaled on the (CPU) state's own device, as TE does.
+    streamed = sum(
+        1
+        for states in checkpoint["state"].values()
+        for name, value in states.items()
+        if target.name_to_dtype_map[name] not in (torch.float16, torch.uint8)
+        or layout in ("contiguous", "transposed", "permuted")
+    )
+    assert copies[0] >= streamed, "the states did not stream through the chunked pipeline"
+    assert copies[0] > streamed or streamed == 0, "no state crossed several chunks"
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "stepped"])
+def test_bf16_rounding_under_flush_denormal_equals_te(small_chunks: None, layout: str) -> None:
+    """FTZ/DAZ on: torch's host BF16 rounding is integer arithmetic, ours equals TE's."""
+    source = build_large(torch.bfloat16, "fp32", seed=0)
+    with export_placement("cpu"):
+        checkpoint = vary_checkpoint(source.state_dict(), layout=layout, special=True)
+    target, reference = (
+        build_large(torch.bfloat16, "fp32", 7),
+        build_large(torch.bfloat16, "fp32", 7),
+    )
+    assert torch.set_flush_denormal(True) or pytest.skip("this CPU has no flush-denormal mode")
+    try:
+        with export_placement("cpu"):
+            target.load_state_dict(checkpoint)
+        with export_placement(None):
+            reference.load_state_dict(copy.deepcopy(checkpoint))
+    finally:
+        torch.set_flush_denormal(False)
+    assert_same_optimizer(target, reference)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("limit", [7, 64, 1 << 20])
+def test_chunked_bf16_conversion_equals_whole_conversion(layout: str, limit: int) -> None:
+    """Every chunk's bits equal ``src.float().bfloat16()`` of the whole tensor (TE's op)."""
+    from te_ckpt_placement import upload
+
+    gen = torch.Generator().manual_seed(3)
+    for shape in [(37, 29), (300,), (5, 1, 41), (1, 333), (2, 3, 4, 25)]:
+        values = with_special_values(torch.randn(shape, generator=gen) * 1e-39, offset=len(shape))
+        src = restride(values, layout)
+        expected = src.float().bfloat16().contiguous()
+        dst = torch.empty(shape, dtype=torch.bfloat16)
+        order = upload.memory_order(dst)
+        assert order is not None
+        whole = upload.bf16_copy_is_vectorized(src)
+        flat, permuted = dst.permute(order).reshape(-1), src.permute(order)
+        for start, count, index in upload.row_blocks(tuple(dst.permute(order).shape), limit):
+            out = torch.empty(count, dtype=torch.bfloat16)
+            block = permuted[index]
+            upload._to_bf16(out.view(block.shape), block, whole)
+            flat[start : start + count] = out
+        assert torch.equal(bits(dst), bits(expected)), (layout, shape, limit)
+
+
+def test_the_two_bf16_kernels_differ_only_in_nans() -> None:
+    """Why the NaN rewrite exists: torch's two host kernels round alike, NaNs apart."""
+    from te_ckpt_placement import upload
+
+    patterns = torch.arange(-(1 << 31), 1 << 31, 1 << 15, dtype=torch.int64)
+    patterns = torch.cat([patterns + low for low in (0, 0x7FFF, 0x8000, 0x8001, 0xFFFF)])
+    values = (patterns & 0xFFFFFFFF).to(torch.int64)
+    values = torch.where(values >= 1 << 31, values - (1 << 32), values).to(torch.int32)
+    floats = values.view(torch.float32)
+    vector = upload._bf16_by_kernel(floats, True).view(torch.int16)
+    scalar = upload._bf16_by_kernel(floats, False).view(torch.int16)
+    nan = floats.isnan()
+    assert torch.equal(vector[~nan], scalar[~nan])
+    # c10's round_to_nearest_even, by hand: (bits + 0x7FFF + lsb) >> 16.
+    u = values.to(torch.int64) & 0xFFFFFFFF
+    reference = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+    reference = torch.where(reference >= 1 << 15, reference - (1 << 16), reference).to(torch.int16)
+    assert torch.equal(vector[~nan], reference[~nan])
+    assert torch.equal(scalar[nan], torch.full_like(scalar[nan], 0x7FC0))
+
+
+def test_row_blocks_cover_every_element_once_without_slivers() -> None:
+    from te_ckpt_placement import upload
+
+    for shape, limit in [((10, 7), 20), ((3, 100), 30), ((1000,), 300), ((2, 2, 9), 4), ((), 5)]:
+        seen = torch.zeros(max(1, math.prod(shape)), dtype=torch.int64)
+        ref = torch.arange(seen.numel()).view(shape)
+        blocks = list(upload.row_blocks(shape, limit))
+        for start, count, index in blocks:
+            block = ref[index].reshape(-1)
+            assert block.numel() == count <= limit
+            assert torch.equal(block, torch.arange(start, start + count))
+            seen[start : start + count] += 1
+            if math.prod(shape) > limit:
+                assert count >= min(limit // 2, shape[-1]), "a sliver"
+        assert bool((seen == 1).all()), shape
+
+
+# --- aliasing (issue 15 item 6) ------------------------------------------------------------------
+
+
+def build_twins_for_aliasing(moments: torch.dtype, master: str, seed: int) -> StandInFusedAdam:
+    param_dtype = torch.bfloat16 if master == "remainder" else torch.float32
+    gen = torch.Generator().manual_seed(seed)
+    params = [
+        torch.nn.Parameter(torch.randn(6, 5, generator=gen).to(param_dtype)) for _ in range(3)
+    ]
+    opt = make_optimizer(
+        [{"params": params[:2]}, {"params": params[2:]}], moments=moments, master=master
+    )
+    train(opt, steps=2, seed=seed)
+    return opt
+
+
+@pytest.mark.parametrize("how", ["permuted_params", "swapped_names", "views"])
+@pytest.mark.parametrize(
+    ("moments", "master"),
+    [
+        (torch.float32, "fp32"),
+        (torch.float32, "remainder"),
+        (torch.bfloat16, "fp32"),
+        (torch.float16, "fp32"),
+    ],
+)
+def test_checkpoint_aliasing_live_states_loads_like_te(how: str, moments: Any, master: str) -> None:
+    """TE's own export returns FP32 and int16 states themselves; loading it with another
+    parameter mapping must not let one write clobber a value another write still reads."""
+    target, reference = (
+        build_twins_for_aliasing(moments, master, 1),
+        build_twins_for_aliasing(moments, master, 1),
+    )
+
+    def aliasing_checkpoint(opt: StandInFusedAdam) -> dict[str, Any]:
+        with export_placement(None):
+            sd = opt.state_dict()  # TE's export: FP32/int16 entries are the live tensors
+        if how == "permuted_params":
+            sd["param_groups"][0]["params"] = sd["param_groups"][0]["params"][::-1]
+        elif how == "swapped_names":
+            states = sd["state"][0]
+            states["exp_avg"], states["exp_avg_sq"] = states["exp_avg_sq"], states["exp_avg"]
+            if "master_param" in states and states["master_param"].dtype == torch.float32:
+                states["master_param"], states["exp_avg"] = (
+                    states["exp_avg"],
+                    states["master_param"],
+                )
+        else:  # other tensor objects over the same memory
+            sd["state"][0], sd["state"][1] = (
+                {k: v.view(v.shape) for k, v in sd["state"][1].items()},
+                {k: v[:] for k, v in sd["state"][0].items()},
+            )
+        return sd
+
+    ours = aliasing_checkpoint(target)
+    live = {id(local(v)) for states in target.state.values() for v in states.values()}
+    shared = [
+        v
+        for states in ours["state"].values()
+        for v in states.values()
+        if id(v) in live or v._base is not None
+    ]
+    if moments == torch.float32 or master in ("fp32", "remainder"):
+        assert shared, "the checkpoint does not alias the live states; the test tests nothing"
+    # TE's load of a private copy is the reference: TE allocates every state anew.
+    expected = copy.deepcopy(aliasing_checkpoint(reference))
+    with export_placement(None):
+        reference.load_state_dict(expected)
+    with export_placement("cpu"):
+        target.load_state_dict(ours)
+    assert_same_optimizer(target, reference)
+
+
+# --- malformed checkpoints and unloadable tensors (issue 15 items 9, 10) ------------------------
+
+
+def malform(kind: str, checkpoint: dict[str, Any]) -> str:
+    if kind == "state_none":
+        checkpoint["state"] = None
+        return "'state' is a NoneType"
+    if kind == "state_list":
+        checkpoint["state"] = list(checkpoint["state"].values())
+        return "'state' is a list"
+    if kind == "group_without_params":
+        del checkpoint["param_groups"][1]["params"]
+        return r"param_groups\[1\] has no 'params'"
+    if kind == "param_groups_none":
+        checkpoint["param_groups"] = None
+        return "'param_groups' is a NoneType"
+    if kind == "group_is_list":
+        checkpoint["param_groups"][0] = list(checkpoint["param_groups"][0]["params"])
+        return r"param_groups\[0\] is a list"
+    if kind == "params_not_a_list":
+        checkpoint["param_groups"][0]["params"] = 7
+        return r"param_groups\[0\]\['params'\] is int"
+    raise AssertionError(kind)
+
+
+MALFORMED = [
+    "state_none",
+    "state_list",
+    "group_without_params",
+    "param_groups_none",
+    "group_is_list",
+    "params_not_a_list",
+]
+
+
+@pytest.mark.parametrize("rollback", [False, True])
+@pytest.mark.parametrize("kind", MALFORMED)
+def test_malformed_checkpoint_is_a_value_error_and_changes_nothing(
+    kind: str, rollback: bool
+) -> None:
+    source = build(torch.bfloat16, "fp32")
+    train(source)
+    with export_placement("cpu"):
+        checkpoint = source.state_dict()
+    pattern = malform(kind, checkpoint)
+    target = trained(torch.bfloat16, "fp32", seed=5)
+    before, state_obj = snapshot(target), target.state
+    groups = copy.deepcopy(
+        [{k: v for k, v in g.items() if k != "params"} for g in target.param_groups]
+    )
+    with export_placement("cpu", rollback=rollback), pytest.raises(ValueError, match=pattern):
+        target.load_state_dict(checkpoint)
+    assert target.state is state_obj
+    assert_snapshot_equal(before, snapshot(target))
+    assert groups == [{k: v for k, v in g.items() if k != "params"} for g in target.param_groups]
+
+
+def unloadable(kind: str, like: torch.Tensor) -> tuple[torch.Tensor, str]:
+    if kind == "meta":
+        return torch.empty(like.shape, device="meta"), "meta device"
+    if kind == "sparse_coo":
+        return like.to_sparse(), "layout torch.sparse_coo"
+    if kind == "sparse_csr":
+        return like.to_sparse_csr(), "layout torch.sparse_csr"
+    if kind == "nested":
+        return torch.nested.nested_tensor([like[0], like[1, :3]]), "nested tensor"
+    if kind == "quantized":
+        return torch.quantize_per_tensor(like, 0.1, 0, torch.qint8), "quantized tensor"
+    if kind == "complex":
+        return like.to(torch.complex64), "complex dtype"
+    raise AssertionError(kind)
+
+
+@pytest.mark.filterwarnings("ignore:.*(beta|prototype):UserWarning")
+@pytest.mark.parametrize(
+    "kind", ["meta", "sparse_coo", "sparse_csr", "nested", "quantized", "complex"]
+)
+def test_unloadable_tensor_kinds_fail_validation_before_any_write(kind: str) -> None:
+    source = build(torch.bfloat16, "fp32")
+    train(source)
+    with export_placement("cpu"):
+        checkpoint = source.state_dict()
+    # The last parameter's state: a load that validated late would have written the others.
+    value, pattern = unloadable(kind, checkpoint["state"][3]["exp_avg_sq"])
+    checkpoint["state"][3]["exp_avg_sq"] = value
+    target = trained(torch.bfloat16, "fp32", seed=5)
+    before, state_obj = snapshot(target), target.state
+    with export_placement("cpu", rollback=False), pytest.raises(ValueError, match=pattern):
+        target.load_state_dict(checkpoint)
+    assert target.state is state_obj
+    assert_snapshot_equal(before, snapshot(target))
+
+
+def test_values_that_require_grad_load_like_te() -> None:
+    source = build(torch.bfloat16, "fp32")
+    train(source)
+    with export_placement("cpu"):
+        checkpoint = source.state_dict()
+    for states in checkpoint["state"].values():
+        for name, value in states.items():
+            if value.is_floating_point():
+                states[name] = value.clone().requires_grad_(True)
+    target, reference = trained(torch.bfloat16, "fp32", 2), trained(torch.bfloat16, "fp32", 2)
+    with export_placement("cpu"):
+        target.load_state_dict(checkpoint)
+    with torch.no_grad(), export_placement(None):
+        reference.load_state_dict(
+            {
+                **checkpoint,
+                "state": {
+                    k: {n: v.detach().clone() for n, v in s.items()}
+                    for k, s in checkpoint["state"].items()
+                },
+            }
+        )
+    assert_same_optimizer(target, reference)
+    assert not any(local(v).requires_grad for s in target.state.values() for v in s.values())
+
+
+# --- load post-hooks (issue 15 item 11) ----------------------------------------------------------
+
+
+def test_post_hooks_run_after_the_states_are_written() -> None:
+    source = build(torch.float16, "fp32")
+    train(source)
+    with export_placement("cpu"):
+        checkpoint = source.state_dict()
+    target = trained(torch.float16, "fp32", 2)
+    seen: list[Any] = []
+    pre: list[Any] = []
+    target.register_load_state_dict_pre_hook(lambda opt, sd: pre.append(opt) and None)
+    handle = target.register_load_state_dict_post_hook(
+        lambda opt: seen.append((opt, snapshot(opt)))
+    )
+    with export_placement("cpu"):
+        target.load_state_dict(checkpoint)
+    assert len(pre) == 1 and len(seen) == 1 and seen[0][0] is target
+    observed = seen[0][1]
+    assert all(observed[p] for p in observed), "a post-hook saw a parameter without its states"
+    assert_snapshot_equal(observed, snapshot(target))
+    handle.remove()
+    with export_placement("cpu"):
+        target.load_state_dict(checkpoint)
+    assert len(seen) == 1, "the hook handle no longer removes the hook"
+
+
+# --- the per-state entry points ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("moments", "master"), list(itertools.product(MOMENTS, MASTERS)))
+def test_load_states_equals_te_load(small_chunks: None, moments: Any, master: str) -> None:
+    from te_ckpt_placement.te_load import load_state, load_states
+
+    source = build_large(moments, master, seed=0)
+    with export_placement("cpu"):
+        checkpoint = vary_checkpoint(source.state_dict(), layout="stepped", special=True)
+    target, reference = build_large(moments, master, seed=7), build_large(moments, master, seed=7)
+    with export_placement(None):
+        reference.load_state_dict(copy.deepcopy(checkpoint))
+    params = [p for g in target.param_groups for p in g["params"]]
+    triples = [(params[k], n, v) for k, s in checkpoint["state"].items() for n, v in s.items()]
+    load_states(target, triples[1:])
+    load_state(target, *triples[0])
+    for g, h in zip(target.param_groups, reference.param_groups, strict=True):
+        g["step"] = h["step"]  # load_states leaves the groups alone
+    assert_same_optimizer(target, reference)
+
+
+def test_load_states_validates_everything_first() -> None:
+    from te_ckpt_placement.te_load import load_states
+
+    target = trained(torch.bfloat16, "fp32", 2)
+    p0, p1 = target.param_groups[0]["params"]
+    before = snapshot(target)
+    good = (p0, "exp_avg", torch.zeros(p0.shape))
+    cases = [
+        (
+            [good, (torch.nn.Parameter(torch.zeros(3)), "exp_avg", torch.zeros(3))],
+            "not a parameter of this optimizer",
+        ),
+        ([good, (p1, "momentum", torch.zeros(p1.shape))], "keeps only"),
+        ([good, (p1, "exp_avg", torch.zeros(2))], "does not match"),
+        ([good, good], "given twice"),
+        ([good, (p1, "exp_avg", torch.empty(p1.shape, device="meta"))], "meta device"),
+    ]
+    for triples, pattern in cases:
+        with pytest.raises(ValueError, match=pattern):
+            load_states(target, triples)
+        assert_snapshot_equal(before, snapshot(target))
+
+
+# --- export: unrecognised FP8 storage under conversion="host" (issue 15 item 12) -----------------
+
+
+@pytest.mark.parametrize("storage", ["unknown_format", "column_only"])
+def test_host_conversion_refuses_fp8_it_cannot_decode(storage: str) -> None:
+    from types import SimpleNamespace
+
+    from te_ckpt_placement import ContractError
+
+    opt = trained(torch.uint8, "fp32", 1)
+    p0 = opt.param_groups[0]["params"][0]
+    fp8 = opt.state[p0]["exp_avg"]
+    if storage == "unknown_format":
+        fp8._fp8_dtype = SimpleNamespace(name="kFloat8E8M0")
+        pattern = "kFloat8E8M0"
+    else:
+        fp8._data = None
+        pattern = "column-only"
+    with pytest.raises(ContractError, match=pattern), export_placement("cpu"):
+        opt.state_dict()
+    with pytest.raises(ContractError, match="conversion='device'"), export_placement("cpu"):
+        opt.state_dict()
+    if storage == "unknown_format":  # the ways out named in the error work (the stand-in's
+        # conversion reads _data; TE's reads its own storage)
+        with export_placement("cpu", conversion="device"):
+            assert opt.state_dict()["state"][0]["exp_avg"].device.type == "cpu"
+        with export_placement(None):
+            opt.state_dict()
+
+
+# --- the benchmark's CPU smoke run ---------------------------------------------------------------
+
+
+def test_benchmark_load_op_runs_on_cpu_with_the_standin(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    import json
+
+    from benchmarks import export_memory
+
+    tiny = [
+        (1 << 18, 1 << 16, d, ("load",), m) for d, m in [("bf16", "fp32"), ("fp8", "remainder")]
+    ]
+    monkeypatch.setattr(export_memory, "cases", lambda sweep: tiny)
+    rates = export_memory.cpu_bandwidths
+    monkeypatch.setattr(export_memory, "cpu_bandwidths", lambda: rates(16 << 20, 2))
+    out = tmp_path / "load.json"
+    assert export_memory.main(["--device", "cpu", "--out", str(out)]) == 0
+    records = json.loads(out.read_text())["records"]
+    assert [(r["moments"], r["mode"]) for r in records] == [
+        ("bf16", "te_default"),
+        ("bf16", "placement_cpu"),
+        ("fp8", "te_default"),
+        ("fp8", "placement_cpu"),
+    ]
+    for r in records:
+        for key in ("bound_seconds", "h2d_bytes_per_s", "host_read_bytes_per_s", "seconds"):
+            assert r[key] > 0, key
+        assert r["peak_extra_gpu_bytes"] == 0 and r["peak_extra_host_bytes"] >= 0
+    ours = records[1]
+    assert ours["te_seconds"] == records[0]["seconds"]
+    assert ours["read_bytes"] == (1 << 18) * (4 + 4 + 4)  # FP32 moments and masters
+    assert ours["written_bytes"] == (1 << 18) * (2 + 2 + 4)
+    assert isinstance(ours["targets_met"], bool)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_uploader_bf16_equals_te_conversion_for_any_source(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, layout: str
+) -> None:
+    """``Uploader.write`` into BF16 == ``src.float().bfloat16()`` (TE's op), NaNs included, for
+    0-d, one-element and larger sources of every floating dtype, chunked or not."""
+    from te_ckpt_placement import upload
+
+    gen = torch.Generator().manual_seed(5)
+    for chunk in (64, 1 << 20):
+        monkeypatch.setattr(engine, "CHUNK_BYTES", chunk)
+        for shape in [(), (1,), (1, 1), (2,), (3, 1, 5), (40, 9)]:
+            values = torch.randn(shape, generator=gen)
+            flat = values.view(-1)
+            flat[:: max(1, flat.numel() // 3)] = float("nan")
+            if flat.numel() > 1:
+                flat[1] = -float("nan")
+            src = restride(values.to(dtype), layout)
+            dst = torch.empty(shape, dtype=torch.bfloat16)
+            with upload.Uploader(torch.device("cpu")) as up:
+                up.write(dst, src)
+            expected = src.float().bfloat16()
+            assert torch.equal(raw_bits(dst), raw_bits(expected)), (shape, chunk)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_uploader_fp32_and_int16_equal_te_copies(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, layout: str
+) -> None:
+    """FP32 destinations get ``src.float()``'s bits (signalling NaNs and payloads included),
+    int16 ones the source's bits, into dense destinations of another memory order too.
+
+    Not for NaNs stored as FP16: torch's host FP16-to-FP32 conversion gives their payloads by
+    kernel and by position (a short tensor's NaNs all become 0x7FFFFFFF, a long one's keep
+    theirs), so no chunked conversion can promise TE's. BF16 rounding makes them all one NaN.
+    """
+    from te_ckpt_placement import upload
+
+    monkeypatch.setattr(engine, "CHUNK_BYTES", 256)
+    gen = torch.Generator().manual_seed(6)
+    for shape in [(), (1,), (3, 1, 5), (40, 9)]:
+        values = with_special_values(torch.randn(shape, generator=gen))
+        if dtype == torch.float16:
+            values = torch.nan_to_num(values, nan=0.0, posinf=float("inf"), neginf=-float("inf"))
+        src = restride(values.to(dtype), layout)
+        backwards = tuple(reversed(range(len(shape))))
+        for dst in (torch.empty(shape), torch.empty(tuple(reversed(shape))).permute(backwards)):
+            with upload.Uploader(torch.device("cpu")) as up:
+                up.write(dst, src)
+            assert torch.equal(raw_bits(dst), raw_bits(src.float())), (shape, dtype)
+        ints = restride(torch.randint(-(1 << 15), 1 << 15, shape, dtype=torch.int16), layout)
+        out = torch.empty(shape, dtype=torch.int16)
+        with upload.Uploader(torch.device("cpu")) as up:
+            up.write(out, ints)
+        assert torch.equal(out, ints)

@@ -93,10 +93,10 @@ class _CannotStreamError(Exception):
 def _write_state(optimizer: Any, param: torch.Tensor, name: str, value: torch.Tensor) -> None:
     """Writes one whole FP32 state into the live one, as TE's ``load_state_dict`` does.
 
-    The only per-state write of this module (FP16 and FP8 states). ``value`` is the planner's
-    own host buffer: TE may scale it in place.
+    The only per-state write of this module (FP16 and FP8 states): ``te_load.load_state``, which
+    validates the value and writes it exactly as TE's load would.
     """
-    te_load._load_one(optimizer, param, name, value)
+    te_load.load_state(optimizer, param, name, value)
 
 
 class _Target:
