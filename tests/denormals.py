@@ -1,0 +1,116 @@
+"""Flush-denormal mode (x86 FTZ and DAZ) in the calling thread and in torch's intra-op workers.
+
+``torch.set_flush_denormal`` sets the MXCSR bits of the calling thread only, and torch's
+intra-op threads keep their own. torch's intra-op pool is OpenMP: :func:`set_modes` runs a
+callback once on every thread of that pool through the OpenMP runtime torch itself loaded
+(``GOMP_parallel``, from the library in the process's memory map), and each thread sets its own
+mode with ``torch.set_flush_denormal`` and probes it. No compiler is needed, so this runs on any
+Linux x86 machine where torch uses libgomp (torch's CPU and CUDA wheels).
+
+``GOMP_parallel(fn, data, num_threads, flags)`` has been libgomp's entry point for
+``#pragma omp parallel`` since GCC 4.9. Its team is the pool that torch's ``at::parallel_for``
+reuses from the same calling thread, so the threads reached are the ones torch converts on;
+:func:`flushed_fraction` checks that with a parallel torch op.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import threading
+from collections.abc import Callable
+
+import torch
+
+#: A product of two FP32 normals that is an FP32 subnormal (2**-140): 0 under FTZ.
+_FTZ_A, _FTZ_B = 2.0**-100, 2.0**-40
+#: An FP32 subnormal (16 * 2**-149) times 2**30, a normal: 0 under DAZ.
+_DAZ_BITS, _DAZ_FACTOR = 16, 2.0**30
+
+_Callback = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+def probe() -> tuple[bool, bool]:
+    """``(ftz, daz)`` of the calling thread, observed on one-element torch multiplies."""
+    ftz = (torch.tensor([_FTZ_A]) * _FTZ_B).view(torch.int32).item() == 0
+    daz_in = torch.tensor([_DAZ_BITS], dtype=torch.int32).view(torch.float32)
+    daz = (daz_in * _DAZ_FACTOR).view(torch.int32).item() == 0
+    return ftz, daz
+
+
+@functools.cache
+def _gomp() -> ctypes.CDLL | str:
+    """torch's OpenMP runtime, or the reason it cannot be used."""
+    if "OpenMP" not in torch.__config__.parallel_info():
+        return "torch's intra-op thread pool is not OpenMP here"
+    torch_dir = os.path.dirname(torch.__file__)
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libgomp" in line}
+    except OSError as exc:
+        return f"cannot read /proc/self/maps ({exc})"
+    if not paths:
+        return "no libgomp is loaded in this process"
+    # torch's own copy first, where both it and a system libgomp are loaded.
+    path = sorted(paths, key=lambda p: not p.startswith(torch_dir))[0]
+    lib = ctypes.CDLL(path)
+    if not hasattr(lib, "GOMP_parallel"):
+        return f"{path} has no GOMP_parallel"
+    lib.GOMP_parallel.argtypes = (_Callback, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint)
+    lib.GOMP_parallel.restype = None
+    lib.omp_get_thread_num.restype = ctypes.c_int
+    return lib
+
+
+def unavailable() -> str | None:
+    """Why the mode cannot be set in every worker here, or None."""
+    if not torch.set_flush_denormal(False):
+        return "torch.set_flush_denormal is not supported on this CPU (x86 with SSE3 needed)"
+    gomp = _gomp()
+    return gomp if isinstance(gomp, str) else None
+
+
+def _on_every_thread(fn: Callable[[int], None]) -> None:
+    """Runs ``fn(omp_thread_number)`` once on each thread of torch's intra-op pool."""
+    gomp = _gomp()
+    assert not isinstance(gomp, str), gomp
+    errors: list[BaseException] = []
+
+    def body(_data: int | None) -> None:
+        try:
+            fn(gomp.omp_get_thread_num())
+        except BaseException as exc:  # an exception must not unwind through C
+            errors.append(exc)
+
+    callback = _Callback(body)
+    gomp.GOMP_parallel(callback, None, torch.get_num_threads(), 0)
+    if errors:
+        raise errors[0]
+
+
+def set_modes(*, calling: bool, workers: bool) -> dict[int, tuple[bool, bool]]:
+    """Sets flush-denormal in the calling thread (thread 0) and in every worker.
+
+    Returns each thread's ``(ftz, daz)`` as probed on that thread after the change, keyed by
+    its OpenMP thread number, after checking that the calling thread is thread 0.
+    """
+    caller = threading.get_ident()
+    seen: dict[int, tuple[bool, bool]] = {}
+    lock = threading.Lock()
+
+    def apply(tid: int) -> None:
+        assert (tid == 0) == (threading.get_ident() == caller), "thread 0 is not the caller"
+        torch.set_flush_denormal(calling if tid == 0 else workers)
+        with lock:
+            seen[tid] = probe()
+
+    _on_every_thread(apply)
+    return seen
+
+
+def flushed_fraction() -> float:
+    """The share of a parallel torch multiply's subnormal results that came out as 0."""
+    n = max(1, torch.get_num_threads()) << 17  # many of torch's 32 Ki-element grains per thread
+    product = torch.full((n,), _FTZ_A) * _FTZ_B
+    return float((product.view(torch.int32) == 0).double().mean())
