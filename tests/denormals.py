@@ -18,8 +18,10 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -114,3 +116,68 @@ def flushed_fraction() -> float:
     n = max(1, torch.get_num_threads()) << 17  # many of torch's 32 Ki-element grains per thread
     product = torch.full((n,), _FTZ_A) * _FTZ_B
     return float((product.view(torch.int32) == 0).double().mean())
+
+
+MODES = ("calling", "workers", "all")
+
+
+@contextmanager
+def flushing(mode: str) -> Iterator[None]:
+    """Flush-denormal on in the calling thread only, in the intra-op workers only, or in both,
+    checked on every thread; everything off again on exit. Skips where it cannot be set."""
+    import pytest
+
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}: valid values are {MODES}")
+    reason = unavailable() if mode != "calling" else None
+    if mode == "calling" and not torch.set_flush_denormal(False):
+        reason = "torch.set_flush_denormal is not supported on this CPU (x86 with SSE3 needed)"
+    if reason is not None:
+        pytest.skip(reason)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))  # at least one worker besides the calling thread
+    try:
+        if mode == "calling":
+            torch.set_flush_denormal(True)
+            assert probe() == (True, True)
+        else:
+            calling = mode == "all"
+            seen = set_modes(calling=calling, workers=True)
+            assert sorted(seen) == list(range(torch.get_num_threads())), seen
+            for tid, state in seen.items():
+                on = calling if tid == 0 else True
+                assert state == (on, on), f"thread {tid}: (ftz, daz) = {state}"
+            # A parallel torch op splits evenly over the threads: thread 0's share is not
+            # flushed unless the calling thread is.
+            workers = 1.0 - 1.0 / torch.get_num_threads()
+            assert flushed_fraction() == (1.0 if calling else workers)
+        yield
+    finally:
+        if mode != "calling":
+            set_modes(calling=False, workers=False)
+        torch.set_flush_denormal(False)
+        torch.set_num_threads(threads)
+        assert probe() == (False, False)
+
+
+def _pattern(value: float) -> int:
+    return int(struct.unpack("<I", struct.pack("<f", value))[0])
+
+
+# FP32 scale patterns that reach every class of result: normal, subnormal, zero, overflow;
+# scales around each boundary below which a product can be subnormal (2**-117 for E4M3,
+# 2**-110 for E5M2, 2**-102 for FP16) and the E4M3 decode's fold overflow (above 2**119);
+# subnormal scales (read as 0 under DAZ); signed zeros, infinity, NaN. (Computed at import,
+# where no mode is set; struct rounds FP64 to FP32 in the calling thread.)
+SCALES = [_pattern(v) for v in (1.0, 2.0**-15, 7.1e-3, 1.3e-30, 448.0 / 3, 3.0e35, 2.0**120, -2.5)]
+SCALES += [0x05000000, 0x05000000 - 1, _pattern(1.5 * 2.0**-120), 0x08800000, 0x08800000 - 1]
+SCALES += [0x0C800000, 0x0C800000 - 1, _pattern(1.7 * 2.0**-111), 0x00800000, 0x80800000]
+SCALES += [0x007FFFFF, _pattern(2.0**-140), 0x00000001, 0x00000003, 0x00012345, 0x80000010]
+SCALES += [0x00000000, 0x80000000, 0x7F800000, 0x7FC00000, 0x7F7FFFFF]
+
+
+def scale_tensor(pattern: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A one-element FP32 tensor with this bit pattern (built from the bits, so no thread's
+    mode can flush it on the way)."""
+    signed = pattern - (1 << 32) if pattern >> 31 else pattern
+    return torch.tensor([signed], dtype=torch.int32, device=device).view(torch.float32)

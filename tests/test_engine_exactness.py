@@ -116,15 +116,11 @@ DECODERS = {
 }
 
 
-def reference(dtype: torch.dtype, scale: float) -> torch.Tensor:
-    """FP32 bits (int32) of every stored pattern of ``dtype`` times ``scale``."""
-    return _reference(dtype, 0x7FC00000 if math.isnan(scale) else fp32_pattern(scale))
-
-
-@functools.cache  # by pattern: -0.0 == 0.0 as a key
-def _reference(dtype: torch.dtype, scale_bits: int) -> torch.Tensor:
+@functools.cache
+def reference(dtype: torch.dtype, scale: int) -> torch.Tensor:
+    """FP32 bits (int32) of every stored pattern of ``dtype`` times the FP32 pattern ``scale``."""
     width, decoder = DECODERS[dtype]
-    s = decode(scale_bits, 8, 23)
+    s = decode(scale, 8, 23)
     return torch.tensor([int32(product_bits(decoder(b), s)) for b in range(1 << width)])
 
 
@@ -134,35 +130,11 @@ def every_pattern(dtype: torch.dtype) -> torch.Tensor:
     return raw.to(torch.uint8) if width == 8 else raw.to(torch.int16).view(torch.float16)
 
 
-def fp32(bits: int) -> float:
-    """The FP32 pattern's value as a Python float, built without FP32 arithmetic."""
-    decoded = decode(bits, 8, 23)
-    if isinstance(decoded, str):
-        return {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}[decoded]
-    negative, p, k = decoded
-    return -math.ldexp(p, k) if negative else math.ldexp(p, k)
-
-
 def int32(bits: int) -> int:
     return bits - (1 << 32) if bits >> 31 else bits
 
 
-def fp32_tensor(value: float) -> torch.Tensor:
-    """A one-element FP32 tensor holding ``value`` exactly: ``torch.tensor([value])`` rounds
-    FP64 to FP32 in the calling thread, which writes 0 for a subnormal under FTZ."""
-    pattern = 0x7FC00000 if math.isnan(value) else fp32_pattern(value)
-    return torch.tensor([int32(pattern)], dtype=torch.int32).view(torch.float32)
-
-
-# Every class of result: normal, subnormal, zero, overflow, and scales around each fast/slow
-# boundary (a product can be subnormal below 2**-117 for E4M3, 2**-110 for E5M2, 2**-102 for
-# FP16), subnormal scales (read as 0 under DAZ), and the E4M3 fold's overflow (above 2**119).
-SCALES = [1.0, 3.0517578125e-05, 0.0071, 1.3e-30, 448.0 / 3, 3.0e35, 2.0**120, -2.5]
-SCALES += [2.0**-117, fp32(0x05000000 - 1), 1.5 * 2.0**-120, 2.0**-110, fp32(0x08800000 - 1)]
-SCALES += [2.0**-102, fp32(0x0C800000 - 1), 1.7 * 2.0**-111, 2.0**-126, -(2.0**-126)]
-SCALES += [fp32(0x007FFFFF), 2.0**-140, 2.0**-149, 3 * 2.0**-149, fp32(0x00012345), -(2.0**-145)]
-SCALES += [0.0, -0.0, math.inf, math.nan, fp32(0x7F7FFFFF)]
-SCALES = [s if math.isnan(s) else fp32(fp32_pattern(s)) for s in SCALES]  # rounded to FP32
+SCALES = denormals.SCALES
 
 
 def test_the_reference_is_ieee_fp32() -> None:
@@ -172,48 +144,19 @@ def test_the_reference_is_ieee_fp32() -> None:
         widened = every_pattern(dtype)
         widened = widened.view(dtype).float() if widened.dtype == torch.uint8 else widened.float()
         for scale in SCALES:
-            ieee = widened * fp32_tensor(scale)
+            ieee = widened * denormals.scale_tensor(scale)
             ieee.view(torch.int32)[ieee.isnan()] = CANONICAL_NAN
-            assert torch.equal(ieee.view(torch.int32), reference(dtype, scale)), (dtype, scale)
+            assert torch.equal(ieee.view(torch.int32), reference(dtype, scale)), (dtype, hex(scale))
 
 
 # --- the flush modes ------------------------------------------------------------------------
 
-MODES = ["calling", "workers", "all"]
 
-
-@pytest.fixture(params=MODES)
+@pytest.fixture(params=denormals.MODES)
 def flush_mode(request: pytest.FixtureRequest) -> Iterator[str]:
     """Flush-denormal on in the calling thread, in the intra-op workers, or in both."""
-    mode = request.param
-    reason = denormals.unavailable() if mode != "calling" else None
-    if mode == "calling" and not torch.set_flush_denormal(False):
-        reason = "torch.set_flush_denormal is not supported on this CPU"
-    if reason is not None:
-        pytest.skip(reason)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(2, threads))  # at least one worker besides the calling thread
-    try:
-        if mode == "calling":
-            torch.set_flush_denormal(True)
-            assert denormals.probe() == (True, True)
-        else:
-            calling = mode == "all"
-            seen = denormals.set_modes(calling=calling, workers=True)
-            assert sorted(seen) == list(range(torch.get_num_threads())), seen
-            for tid, state in seen.items():
-                on = calling if tid == 0 else True
-                assert state == (on, on), f"thread {tid}: (ftz, daz) = {state}"
-            expected = 1.0 if calling else 1.0 - 1.0 / torch.get_num_threads()
-            # Some of the parallel multiply ran on the workers and was flushed there.
-            assert 0.0 < denormals.flushed_fraction() <= expected
-        yield mode
-    finally:
-        if mode != "calling":
-            denormals.set_modes(calling=False, workers=False)
-        torch.set_flush_denormal(False)
-        torch.set_num_threads(threads)
-        assert denormals.probe() == (False, False)
+    with denormals.flushing(request.param):
+        yield request.param
 
 
 def copies(width: int) -> int:
@@ -241,13 +184,14 @@ def test_every_pattern_times_every_scale_class(flush_mode: str, dtype: torch.dty
     stored = every_pattern(dtype).repeat(copies(width))
     failures = []
     for scale in SCALES:
+        tensor = denormals.scale_tensor(scale)
         if dtype == torch.float16:
-            source = StateSource(kind="scaled", data=stored, scale=fp32_tensor(scale))
+            source = StateSource(kind="scaled", data=stored, scale=tensor)
         else:
-            source = StateSource(kind="fp8", data=stored, scale=fp32_tensor(scale), fp8_dtype=dtype)
+            source = StateSource(kind="fp8", data=stored, scale=tensor, fp8_dtype=dtype)
         ours = materialize(source)
         expected = reference(dtype, scale).repeat(copies(width))
-        failure = bit_mismatch(ours, expected, f"scale {scale!r} ({flush_mode})")
+        failure = bit_mismatch(ours, expected, f"scale {hex(scale)} ({flush_mode})")
         if failure:
             failures.append(failure)
     assert not failures, "\n".join(failures)
@@ -267,9 +211,11 @@ def test_bf16_fp32_int16_states_are_copied_bits(flush_mode: str) -> None:
 
 def test_scale_is_read_from_its_bits(flush_mode: str) -> None:
     for scale in SCALES:
-        value = engine.fp32_value(fp32_tensor(scale))
-        assert fp32_pattern(value) == fp32_pattern(scale) or math.isnan(scale), scale
-        assert math.copysign(1.0, value) == math.copysign(1.0, scale) or math.isnan(scale)
+        value = engine.fp32_value(denormals.scale_tensor(scale))
+        if decode(scale, 8, 23) == "nan":
+            assert math.isnan(value)
+        else:
+            assert fp32_pattern(value) == scale, hex(scale)
 
 
 # --- trained-like states through the whole export ---------------------------------------------
@@ -285,7 +231,7 @@ def trained_like_fp8(numel: int, seed: int) -> torch.Tensor:
     return quantized.view(torch.uint8)
 
 
-def expected_state(stored: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+def expected_state(stored: torch.Tensor, dtype: torch.dtype, scale: int) -> torch.Tensor:
     """The reference for a stored state: each element's pattern looked up in the table."""
     table = reference(dtype, scale)
     index = stored.to(torch.int32) if dtype != torch.float16 else stored.view(torch.int16)
@@ -325,7 +271,7 @@ def test_trained_like_states_with_tiny_scales(flush_mode: str, moments: torch.dt
             else:
                 opt._scales[p][name].view(torch.int32).fill_(pattern)
                 stored, dtype = opt.state[p][name].reshape(-1), torch.float16
-            expected.append(expected_state(stored, dtype, fp32(pattern)))
+            expected.append(expected_state(stored, dtype, pattern))
             if name == "exp_avg_sq":
                 master = opt.state[p]["master_param"]
                 expected.append(master.reshape(-1).view(torch.int32).clone())
