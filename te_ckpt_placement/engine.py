@@ -34,6 +34,7 @@ __all__ = [
     "iter_exportable",
     "clear_pinned_pool",
     "empty_host",
+    "fp32_value",
     "materialize",
     "pinned_pool_bytes",
     "to_cpu_dtensor",
@@ -126,10 +127,6 @@ class _Scratch:
             self._buffer = None  # the old one is freed before the larger one is made
             self._buffer = torch.empty(nbytes, dtype=torch.uint8)
         return self._buffer[:nbytes].view(dtype)
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self._buffer is None else self._buffer.numel()
 
 
 class _Stager:
@@ -250,7 +247,7 @@ def _stream_into(src: torch.Tensor, out: torch.Tensor, convert: Convert) -> None
     """
     flat_src, flat_out = src.reshape(-1), out.view(-1)
     n = flat_src.numel()
-    lease = _Lease()
+    lease, complete = _Lease(), False
     try:
         st = lease.take(src.device)
         step = max(1, st.chunk_bytes // src.element_size())
@@ -273,14 +270,16 @@ def _stream_into(src: torch.Tensor, out: torch.Tensor, convert: Convert) -> None
                 staged.append(issue(i + RING - 1))
             convert(staged[i], flat_out[a:b], st.scratch)
             staged[i] = None  # type: ignore[call-overload]
+        complete = True  # every copy was waited for
     finally:
         # Give the stager back before anything that can raise (see _Lease).
         stager = lease.stager
         if stager is not None and stager.lessee is lease.ref:
             stager.lessee = None
-            # No copy outlives the export (a no-op after a complete pipeline); the next borrower
-            # synchronizes too, in case this is interrupted.
-            stager.synchronize()
+            if not complete:
+                # No copy outlives a failed export; the next borrower synchronizes too, in case
+                # this is interrupted.
+                stager.synchronize()
 
 
 #: Elements per block of the multi-pass conversions (FP16, FP8); None: 256 Ki per intra-op
@@ -318,7 +317,7 @@ def _blocked(convert: Convert) -> Convert:
 # and rounded to FP32 with integer arithmetic. The result does not depend on the mode of any
 # thread.
 
-FP32_MIN_NORMAL = 2.0**-126
+_FP32_MIN_NORMAL = 2.0**-126
 _FP32_MAX = float(torch.finfo(torch.float32).max)
 
 
@@ -355,7 +354,7 @@ def _mul_exact(out: torch.Tensor, factor: float) -> None:
     """
     wide = out.double().mul_(factor)
     out.copy_(wide)
-    tiny = wide.abs() < FP32_MIN_NORMAL
+    tiny = wide.abs() < _FP32_MIN_NORMAL
     if bool(tiny.any()):
         small = wide[tiny]
         pattern = small.abs().mul_(2.0**149).round_().to(torch.int32)
@@ -370,7 +369,7 @@ def _scale(out: torch.Tensor, factor: float, *, smallest: float) -> None:
     ``2**-126`` (a tiny scale), every operand and result is an FP32 normal and the plain
     vectorized multiply is exact in any mode; otherwise the product goes through FP64.
     """
-    if 0.0 < abs(factor) * smallest < FP32_MIN_NORMAL:
+    if 0.0 < abs(factor) * smallest < _FP32_MIN_NORMAL:
         _mul_exact(out, factor)
     else:
         # The float is an FP32 value: torch multiplies the FP32 tensor by it in FP32.
