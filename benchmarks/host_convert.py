@@ -63,7 +63,7 @@ def sources(engine: ModuleType, numel: int) -> dict[str, Any]:
         "fp8": state(kind="fp8", data=fp8, scale=scale, fp8_dtype=e4m3),
         "fp16": state(kind="scaled", data=fp16, scale=scale),
         "fp8_tiny_scale": state(kind="fp8", data=fp8, scale=tiny, fp8_dtype=e4m3),
-        "fp16_tiny_scale": state(kind="scaled", data=fp16, scale=tiny.mul(2.0**16)),
+        "fp16_tiny_scale": state(kind="scaled", data=fp16, scale=tiny.mul(2.0**15)),  # ~2**-103
     }
 
 

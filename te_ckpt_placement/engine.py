@@ -310,12 +310,12 @@ def _blocked(convert: Convert) -> Convert:
 #
 # A thread with flush-to-zero (FTZ) writes 0 for an FP32 result below 2**-126, and one with
 # denormals-are-zero (DAZ) reads a subnormal operand as 0 (torch.set_flush_denormal sets both;
-# so can a native library built with -ffast-math). TE's GPU conversion keeps subnormals. The
-# host conversions below never read or write an FP32 subnormal with an FP32 instruction: stored
-# values are widened to FP32 normals (FP16 and FP8 values are all FP32 normals), scales are read
-# from their bits, and where a product can be subnormal it is formed in FP64 (exact, normal)
-# and rounded to FP32 with integer arithmetic. The result does not depend on the mode of any
-# thread.
+# so can a native library built with -ffast-math). TE's GPU conversion keeps subnormals. No
+# result below depends on an FP32 instruction reading or writing a subnormal: stored values are
+# widened to FP32 normals (FP16 and FP8 values all are), scales are read from their bits, and
+# where a product can be subnormal it is formed in FP64 (exact and normal) and its subnormal
+# bits are made with integer arithmetic. BF16, FP32 and int16 states are copied as bits. The
+# result does not depend on the mode of any thread.
 
 _FP32_MIN_NORMAL = 2.0**-126
 _FP32_MAX = float(torch.finfo(torch.float32).max)
@@ -348,18 +348,21 @@ def _mul_exact(out: torch.Tensor, factor: float) -> None:
 
     ``out`` holds FP32 normals, zeros, infinities and NaNs, never subnormals, and ``factor`` is an
     FP32 value. Their product in FP64 is exact (24 + 24 significant bits) and an FP64 normal,
-    so no FTZ/DAZ mode touches it; rounding it to FP32 is right where the result is normal, and
-    subnormal results are rounded here: ``|p| * 2**149`` rounded half to even is the subnormal's
-    bit pattern (``2**23`` being the smallest normal's).
+    so no FTZ/DAZ mode touches it, and rounding it to FP32 gives the right bits wherever the
+    result is normal. Where it is below ``2**-126``, ``|p| * 2**149`` rounded half to even is the
+    subnormal's magnitude pattern, which the rounding to FP32 also gives unless FTZ made it 0.
+    Capped at ``2**23`` (the smallest normal's pattern; ``fmin`` also turns a NaN into the cap),
+    that pattern is never above a normal result's, so the larger of the two magnitudes is right
+    everywhere (a NaN's or an infinity's is above both), with no mask and no gather.
     """
     wide = out.double().mul_(factor)
     out.copy_(wide)
-    tiny = wide.abs() < _FP32_MIN_NORMAL
-    if bool(tiny.any()):
-        small = wide[tiny]
-        pattern = small.abs().mul_(2.0**149).round_().to(torch.int32)
-        pattern.bitwise_or_(small.signbit().to(torch.int32).bitwise_left_shift_(31))
-        out.view(torch.int32)[tiny] = pattern
+    bits = out.view(torch.int32)
+    sign = bits.bitwise_and(-(1 << 31))
+    subnormal = wide.abs_().mul_(2.0**149).round_()
+    torch.fmin(subnormal, subnormal.new_full((), 2.0**23), out=subnormal)
+    torch.maximum(bits.bitwise_and_(0x7FFFFFFF), subnormal.to(torch.int32), out=bits)
+    bits.bitwise_or_(sign)
 
 
 def _scale(out: torch.Tensor, factor: float, *, smallest: float) -> None:
@@ -383,8 +386,9 @@ def _scale(out: torch.Tensor, factor: float, *, smallest: float) -> None:
 # The 7 magnitude bits of an E4M3 byte, moved to bits 13..7 of an FP16 pattern, put E4M3's
 # exponent and mantissa in FP16's low exponent bits and high mantissa bits: the FP16 value is
 # the E4M3 value times 2**-8 exactly, E4M3 subnormals included (FP16 subnormals then). Widening
-# FP16 to FP32 yields FP32 normals and is exact in any FTZ/DAZ mode (F16C's vcvtph2ps and c10's
-# software path both; tests/test_engine_exactness.py checks it under the mode).
+# FP16 to FP32 yields FP32 normals, and torch's widening (vector and scalar) does not read FP16
+# subnormals as 0 under DAZ: tests/test_engine_exactness.py checks it with the mode on in every
+# thread.
 _E4M3_AS_FP16 = 2.0**-8
 _E4M3_SMALLEST = 2.0**-9
 # Bytes 0x7F and 0xFF (E4M3's NaNs) come out as +-1.875 (+-480 * 2**-8), which no finite E4M3
