@@ -54,8 +54,8 @@ def _gomp() -> ctypes.CDLL | str:
         return f"cannot read /proc/self/maps ({exc})"
     if not paths:
         return "no libgomp is loaded in this process"
-    # torch's own copy first, where both it and a system libgomp are loaded.
-    path = sorted(paths, key=lambda p: not p.startswith(torch_dir))[0]
+    # torch's own copy first (torch/lib or torch.libs), where a system libgomp is loaded too.
+    path = sorted(paths, key=lambda p: (not p.startswith(torch_dir), "torch" not in p, p))[0]
     lib = ctypes.CDLL(path)
     if not hasattr(lib, "GOMP_parallel"):
         return f"{path} has no GOMP_parallel"

@@ -248,23 +248,24 @@ class Interrupter:
         self.seen += 1
 
 
-def interrupted_exports(opt: StandInFusedAdam, *, cold: bool) -> Iterator[str]:
+def interrupted_exports(opt: StandInFusedAdam, *, cold: bool) -> Iterator[tuple[str, bool]]:
     """Runs the export once per injection point until one runs out of points; yields where
-    each interrupt landed (or "" where it was swallowed, as in a weakref callback)."""
+    each interrupt was raised and whether it reached the caller."""
     for k in range(100_000):
         if cold:
             release_buffers()
         hook = Interrupter(k)
         sys.setprofile(hook)
+        raised = False
         try:
             export(opt, reuse_buffers=k % 2 == 0)
         except KeyboardInterrupt:
-            pass
+            raised = True
         finally:
             sys.setprofile(None)
         if not hook.fired:
             return
-        yield hook.fired
+        yield hook.fired, raised
     raise AssertionError("the export never ran out of injection points")
 
 
@@ -276,12 +277,15 @@ def test_keyboard_interrupt_anywhere_loses_no_stager(clean: None, cold: bool) ->
     ring = engine.pinned_pool_bytes()
     assert ring > 0
     points = []
-    for where in interrupted_exports(opt, cold=cold):
-        points.append(where)
+    for where, raised in interrupted_exports(opt, cold=cold):
+        if raised:
+            points.append(where)
         assert engine.staging_in_use() == 0, f"a stager is still lent after an interrupt at {where}"
         assert engine.pinned_pool_bytes() <= ring, f"a second ring after an interrupt at {where}"
-    assert len(points) > 50, points  # the hook reached the pool's code, many times
-    assert any("take" in p or "_stager" in p for p in points), points
+    # The interrupts reached the caller (this Python lets a profile hook raise), many of them
+    # in the pool's own code.
+    assert len(points) > 50, points
+    assert sum("take" in p or "_stager" in p for p in points) >= 5, points
     # The pool is whole: the next export reuses the one ring and release frees it.
     assert_same_export(export(opt), ref)
     assert engine.staging_in_use() == 0 and engine.pinned_pool_bytes() == ring
