@@ -54,7 +54,7 @@ def block_label(variant: dict[str, Any]) -> str:
     return f"{block >> 20}M"
 
 
-def _legacy_e4m3(raw: torch.Tensor, out: torch.Tensor, *, scale: torch.Tensor) -> None:
+def _legacy_e4m3(raw: torch.Tensor, out: torch.Tensor, scratch: Any, *, scale: float) -> None:
     """The previous FP8 path: torch's FP8 widening, a multiply and an isnan mask."""
     from te_ckpt_placement.engine import _canonicalize_nan
 

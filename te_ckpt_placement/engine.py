@@ -18,7 +18,6 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any, Literal
@@ -35,6 +34,7 @@ __all__ = [
     "iter_exportable",
     "clear_pinned_pool",
     "empty_host",
+    "fp32_value",
     "materialize",
     "pinned_pool_bytes",
     "to_cpu_dtensor",
@@ -115,11 +115,26 @@ CHUNK_BYTES = 16 << 20
 RING = 3
 
 
+class _Scratch:
+    """A host work buffer of a stager, grown to the largest request and reused after that."""
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+
+    def get(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = numel * dtype.itemsize
+        if self._buffer is None or self._buffer.numel() < nbytes:
+            self._buffer = None  # the old one is freed before the larger one is made
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8)
+        return self._buffer[:nbytes].view(dtype)
+
+
 class _Stager:
     """Pinned ring buffers and a copy stream for one CUDA device, reused across exports.
 
     For host-resident sources (the CPU stand-in) the same ring runs with plain buffers and
-    synchronous copies, so one code path serves both.
+    synchronous copies, so one code path serves both. ``scratch`` is the conversions' host work
+    buffer (E4M3's 16-bit patterns), allocated on first use.
     """
 
     def __init__(self, device: torch.device, chunk_bytes: int) -> None:
@@ -131,6 +146,9 @@ class _Stager:
             torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=cuda) for _ in range(RING)
         ]
         self.events = [torch.cuda.Event() if cuda else None for _ in range(RING)]
+        self.scratch = _Scratch()
+        # The lease this stager is lent to (a weak reference), or None while it is free.
+        self.lessee: weakref.ref[_Lease] | None = None
 
     def copy_async(self, i: int, dst: torch.Tensor, src: torch.Tensor) -> None:
         if self.stream is None:
@@ -149,58 +167,76 @@ class _Stager:
             self.stream.synchronize()
 
     @property
+    def lent(self) -> bool:
+        return self.lessee is not None and self.lessee() is not None
+
+    @property
     def nbytes(self) -> int:
         return sum(b.numel() for b in self.buffers)
 
 
+#: Every stager, free or lent, by (device, chunk bytes).
 _pool: dict[tuple[torch.device, int], list[_Stager]] = {}
-_pool_all: list[_Stager] = []
 _pool_lock = threading.Lock()
 
 
-@contextmanager
-def _stager(device: torch.device) -> Iterator[_Stager]:
-    """Lends a stager; concurrent exports get their own, and every one is reused later."""
-    key = (device, CHUNK_BYTES)
-    with _pool_lock:
-        free = _pool.setdefault(key, [])
-        stager = free.pop() if free else None
-    if stager is None:
-        stager = _Stager(device, CHUNK_BYTES)
+class _Lease:
+    """One export's claim on a stager, made safe against asynchronous exceptions.
+
+    A KeyboardInterrupt can arrive after any call returns. The lease is therefore set up so that
+    no such point separates a stager's change of hands from what undoes it: :meth:`take` records
+    the stager in the lease before marking it lent, and the borrower's ``finally`` frees it with
+    attribute loads, an ``is`` and a store, no call before the store. A lease that dies without
+    giving back frees its stager too, since stagers hold only a weak reference to it.
+    """
+
+    __slots__ = ("__weakref__", "ref", "stager")
+
+    def __init__(self) -> None:
+        self.stager: _Stager | None = None
+        self.ref = weakref.ref(self)  # what a lent stager holds, and the caller compares with
+
+    def take(self, device: torch.device) -> _Stager:
+        key = (device, CHUNK_BYTES)
         with _pool_lock:
-            _pool_all.append(stager)
-    try:
-        yield stager
-    finally:
-        # Copies still in flight write into the pinned buffers: finish them before the next
-        # borrower (or an error path) can reuse or free anything they touch.
-        stager.synchronize()
-        with _pool_lock:
-            _pool[key].append(stager)
+            for stager in _pool.get(key, ()):
+                if not stager.lent:
+                    self.stager = stager
+                    stager.lessee = self.ref
+                    break
+        if self.stager is None:
+            new = _Stager(device, CHUNK_BYTES)
+            self.stager = new
+            new.lessee = self.ref
+            with _pool_lock:
+                _pool.setdefault(key, []).append(new)
+        # Copies of an interrupted previous lessee may still be in flight into the ring.
+        self.stager.synchronize()
+        return self.stager
 
 
 def staging_in_use() -> int:
     """How many stagers are lent out right now (0 between exports)."""
     with _pool_lock:
-        return len(_pool_all) - sum(len(free) for free in _pool.values())
+        return sum(s.lent for stagers in _pool.values() for s in stagers)
 
 
 def pinned_pool_bytes() -> int:
     """Pinned host bytes held by the staging pool (constant once warm, whatever the export)."""
     with _pool_lock:
-        return sum(s.nbytes for s in _pool_all)
+        return sum(s.nbytes for stagers in _pool.values() for s in stagers)
 
 
 def clear_pinned_pool() -> None:
     """Releases the idle staging buffers (the next export allocates them again)."""
     with _pool_lock:
-        for free in _pool.values():
-            for stager in free:
-                _pool_all.remove(stager)
-            free.clear()
+        for stagers in _pool.values():
+            for stager in [s for s in stagers if not s.lent]:
+                stager.synchronize()  # nothing in flight into memory about to be freed
+                stagers.remove(stager)
 
 
-Convert = Callable[[torch.Tensor, torch.Tensor], None]
+Convert = Callable[[torch.Tensor, torch.Tensor, _Scratch], None]
 
 
 def _stream_into(src: torch.Tensor, out: torch.Tensor, convert: Convert) -> None:
@@ -211,7 +247,9 @@ def _stream_into(src: torch.Tensor, out: torch.Tensor, convert: Convert) -> None
     """
     flat_src, flat_out = src.reshape(-1), out.view(-1)
     n = flat_src.numel()
-    with _stager(src.device) as st:
+    lease, complete = _Lease(), False
+    try:
+        st = lease.take(src.device)
         step = max(1, st.chunk_bytes // src.element_size())
         bounds = [(a, min(a + step, n)) for a in range(0, n, step)]
         if st.stream is not None:
@@ -230,8 +268,18 @@ def _stream_into(src: torch.Tensor, out: torch.Tensor, convert: Convert) -> None
             if i + RING - 1 < len(bounds):
                 # Its buffer is chunk i-1's, converted in the previous iteration.
                 staged.append(issue(i + RING - 1))
-            convert(staged[i], flat_out[a:b])
+            convert(staged[i], flat_out[a:b], st.scratch)
             staged[i] = None  # type: ignore[call-overload]
+        complete = True  # every copy was waited for
+    finally:
+        # Give the stager back before anything that can raise (see _Lease).
+        stager = lease.stager
+        if stager is not None and stager.lessee is lease.ref:
+            stager.lessee = None
+            if not complete:
+                # No copy outlives a failed export; the next borrower synchronizes too, in case
+                # this is interrupted.
+                stager.synchronize()
 
 
 #: Elements per block of the multi-pass conversions (FP16, FP8); None: 256 Ki per intra-op
@@ -249,46 +297,150 @@ def _block_elements() -> int:
 
 
 def _blocked(convert: Convert) -> Convert:
-    def run(raw: torch.Tensor, out: torch.Tensor) -> None:
+    def run(raw: torch.Tensor, out: torch.Tensor, scratch: _Scratch) -> None:
         flat_raw, flat_out = raw.reshape(-1), out.view(-1)
         step = _block_elements()
         for a in range(0, flat_raw.numel(), step):
-            convert(flat_raw[a : a + step], flat_out[a : a + step])
+            convert(flat_raw[a : a + step], flat_out[a : a + step], scratch)
 
     return run
 
 
-# E4M3 magnitude bits moved into an FP32 exponent and mantissa read as 2**(e - 127) * (1 + m/8)
-# (or m * 2**-149 for e = 0); this factor rebiases them to E4M3's 2**(e - 7) exactly.
-_E4M3_REBIAS = 2.0**120
-# Bytes 0x7F and 0xFF (E4M3's NaNs) come out of the bit move as +-480, which no finite E4M3
-# value is (the largest is 448).
-_E4M3_NAN_AS = 480.0
-_SIGN_AND_MAGNITUDE = 0x87F00000 - (1 << 32)  # as a signed int32
+# --- exact FP32 scaling, whatever the thread's FTZ/DAZ mode -------------------------------------
+#
+# A thread with flush-to-zero (FTZ) writes 0 for an FP32 result below 2**-126, and one with
+# denormals-are-zero (DAZ) reads a subnormal operand as 0 (torch.set_flush_denormal sets both;
+# so can a native library built with -ffast-math). TE's GPU conversion keeps subnormals. No
+# result below depends on an FP32 instruction reading or writing a subnormal: stored values are
+# widened to FP32 normals (FP16 and FP8 values all are), scales are read from their bits, and
+# where a product can be subnormal it is formed in FP64 (exact and normal) and its subnormal
+# bits are made with integer arithmetic. BF16, FP32 and int16 states are copied as bits. The
+# result does not depend on the mode of any thread.
+
+_FP32_MIN_NORMAL = 2.0**-126
+_FP32_MAX = float(torch.finfo(torch.float32).max)
 
 
-def _dequantize_e4m3(raw: torch.Tensor, out: torch.Tensor, *, scale: torch.Tensor) -> None:
-    """``float(e4m3 byte) * scale`` with the bits of TE's formula (widen, multiply, CUDA NaN).
+def fp32_value(scale: torch.Tensor) -> float:
+    """The exact value of a one-element FP32 tensor, read from its bits.
 
-    torch's FP8 widening is a scalar loop and an ``isnan`` mask another slow pass (about 4 ns
-    per element together on one core); these are vectorized integer and FP32 passes. The
-    exhaustive GPU test checks every byte against TE's kernels.
+    ``float(tensor)`` widens FP32 to FP64 with an instruction that reads a subnormal as 0 under
+    DAZ; this builds the value with integer arithmetic instead.
     """
+    if scale.dtype != torch.float32 or scale.numel() != 1:
+        raise ValueError(
+            f"a scale must be a one-element torch.float32 tensor, got {scale.dtype} with "
+            f"{scale.numel()} elements"
+        )
+    bits = int(scale.detach().reshape(1).view(torch.int32).item()) & 0xFFFFFFFF
+    exponent, mantissa = (bits >> 23) & 0xFF, bits & 0x7FFFFF
+    if exponent == 0xFF:
+        magnitude = math.nan if mantissa else math.inf
+    elif exponent == 0:
+        magnitude = math.ldexp(mantissa, -149)
+    else:
+        magnitude = math.ldexp(mantissa | 0x800000, exponent - 150)
+    return -magnitude if bits >> 31 else magnitude
+
+
+def _mul_exact(out: torch.Tensor, factor: float) -> None:
+    """``out *= factor`` with one rounding to FP32, subnormal results included, in any mode.
+
+    ``out`` holds FP32 normals, zeros, infinities and NaNs, never subnormals, and ``factor`` is an
+    FP32 value. Their product in FP64 is exact (24 + 24 significant bits) and an FP64 normal,
+    so no FTZ/DAZ mode touches it, and rounding it to FP32 gives the right bits wherever the
+    result is normal. Where it is below ``2**-126``, ``|p| * 2**149`` rounded half to even is the
+    subnormal's magnitude pattern, which the rounding to FP32 also gives unless FTZ made it 0.
+    Capped at ``2**23`` (the smallest normal's pattern; ``fmin`` also turns a NaN into the cap),
+    that pattern is never above a normal result's, so the larger of the two magnitudes is right
+    everywhere (a NaN's or an infinity's is above both), with no mask and no gather.
+    """
+    wide = out.double().mul_(factor)
+    out.copy_(wide)
     bits = out.view(torch.int32)
-    bits.copy_(raw.view(torch.int8))  # sign-extended: the sign fills bits 31..7
-    bits.bitwise_left_shift_(20)  # magnitude (e4 m3) to bits 26..20
-    bits.bitwise_and_(_SIGN_AND_MAGNITUDE)  # the sign at bit 31 only
-    out.mul_(_E4M3_REBIAS)  # exact: a power of two, and every result is a normal FP32
-    low, high = torch.aminmax(out)
-    if float(high) == _E4M3_NAN_AS or float(low) == -_E4M3_NAN_AS:
-        out[out.abs() == _E4M3_NAN_AS] = math.nan
-    out.mul_(scale)  # TE's single FP32 rounding
+    sign = bits.bitwise_and(-(1 << 31))
+    subnormal = wide.abs_().mul_(2.0**149).round_()
+    torch.fmin(subnormal, subnormal.new_full((), 2.0**23), out=subnormal)
+    torch.maximum(bits.bitwise_and_(0x7FFFFFFF), subnormal.to(torch.int32), out=bits)
+    bits.bitwise_or_(sign)
+
+
+def _scale(out: torch.Tensor, factor: float, *, smallest: float) -> None:
+    """TE's ``out * scale`` in FP32 (one rounding), exact whatever the FTZ/DAZ mode.
+
+    ``smallest`` is the smallest nonzero magnitude in ``out``. Unless a product can fall below
+    ``2**-126`` (a tiny scale), every operand and result is an FP32 normal and the plain
+    vectorized multiply is exact in any mode; otherwise the product goes through FP64.
+    """
+    if 0.0 < abs(factor) * smallest < _FP32_MIN_NORMAL:
+        _mul_exact(out, factor)
+    else:
+        # The float is an FP32 value: torch multiplies the FP32 tensor by it in FP32.
+        out.mul_(factor)
+    # A NaN makes the sum NaN; a cheap read pass replaces an isnan mask for the rare block that
+    # can hold one (an infinite sum only says "look closer").
     if not math.isfinite(float(out.sum())):
         _canonicalize_nan(out)
 
 
-def _copy(raw: torch.Tensor, out: torch.Tensor) -> None:
-    out.copy_(raw)  # same dtype, or BF16 widened to FP32, which is exact
+# The 7 magnitude bits of an E4M3 byte, moved to bits 13..7 of an FP16 pattern, put E4M3's
+# exponent and mantissa in FP16's low exponent bits and high mantissa bits: the FP16 value is
+# the E4M3 value times 2**-8 exactly, E4M3 subnormals included (FP16 subnormals then). Widening
+# FP16 to FP32 yields FP32 normals, and torch's widening (vector and scalar) does not read FP16
+# subnormals as 0 under DAZ: tests/test_engine_exactness.py checks it with the mode on in every
+# thread.
+_E4M3_AS_FP16 = 2.0**-8
+_E4M3_SMALLEST = 2.0**-9
+# Bytes 0x7F and 0xFF (E4M3's NaNs) come out as +-1.875 (+-480 * 2**-8), which no finite E4M3
+# value gives (the largest is 448).
+_E4M3_NAN_AS = 480.0 * _E4M3_AS_FP16
+_FP16_SIGN_AND_MAGNITUDE = 0xBF80 - (1 << 16)  # bit 15 and bits 13..7, as a signed int16
+
+
+def _dequantize_e4m3(
+    raw: torch.Tensor, out: torch.Tensor, scratch: _Scratch, *, scale: float
+) -> None:
+    """``float(e4m3 byte) * scale`` with the bits of TE's formula (widen, multiply, CUDA NaN).
+
+    torch's FP8 widening is a scalar loop and an ``isnan`` mask another slow pass (about 4 ns
+    per element together on one core); these are vectorized 16-bit integer passes, one FP16
+    widening and FP32 passes. The exhaustive tests check every byte against TE's formula.
+    """
+    half = scratch.get(raw.numel(), torch.int16)
+    half.copy_(raw.view(torch.int8))  # sign-extended: the sign fills bits 15..7
+    half.bitwise_left_shift_(7)  # magnitude to bits 13..7, the sign in bits 15 and 14
+    half.bitwise_and_(_FP16_SIGN_AND_MAGNITUDE)  # the sign at bit 15 only
+    out.copy_(half.view(torch.float16))  # exact: E4M3 value * 2**-8, an FP32 normal
+    low, high = torch.aminmax(out)
+    if float(high) == _E4M3_NAN_AS or float(low) == -_E4M3_NAN_AS:
+        out[out.abs() == _E4M3_NAN_AS] = math.nan
+    # One multiply by scale * 2**8 (exact in FP64, and an FP32 value unless it overflows FP32)
+    # rounds the exact product once, as TE's multiply does.
+    factor, smallest = scale / _E4M3_AS_FP16, _E4M3_SMALLEST * _E4M3_AS_FP16
+    if math.isfinite(scale) and abs(factor) > _FP32_MAX:
+        out.mul_(1.0 / _E4M3_AS_FP16)  # exact: a power of two, normal results
+        factor, smallest = scale, _E4M3_SMALLEST
+    _scale(out, factor, smallest=smallest)
+
+
+def _copy(raw: torch.Tensor, out: torch.Tensor, scratch: _Scratch) -> None:
+    # Same dtype (a memcpy), or BF16 widened to FP32, which torch does with integer shifts:
+    # exact, in any FTZ/DAZ mode.
+    out.copy_(raw)
+
+
+def _widen_and_scale(smallest: float, scale: float, fp8: torch.dtype | None = None) -> Convert:
+    """FP16 or FP8 (E5M2) widened to FP32 (exact; FP32 normals) times ``scale``."""
+
+    def convert(raw: torch.Tensor, out: torch.Tensor, scratch: _Scratch) -> None:
+        out.copy_(raw if fp8 is None else raw.view(fp8))
+        _scale(out, scale, smallest=smallest)
+
+    return convert
+
+
+# The smallest nonzero magnitude of each widened format: FP16 2**-24, E5M2 2**-16.
+_SMALLEST = {torch.float16: 2.0**-24, torch.float8_e5m2: 2.0**-16}
 
 
 def _convert_fn(source: StateSource) -> tuple[torch.dtype, Convert]:
@@ -302,87 +454,121 @@ def _convert_fn(source: StateSource) -> tuple[torch.dtype, Convert]:
         # A Python float holds the FP32 scale exactly, and torch multiplies an FP32 tensor by it
         # in FP32: the same single rounding as TE's multiply by the one-element scale tensor,
         # on the vectorized path (a mixed-dtype multiply is about eight times slower).
-        factor = float(source.scale.reshape(-1)[0])
-
-        def scaled(raw: torch.Tensor, out: torch.Tensor) -> None:
-            out.copy_(raw)  # FP16 to FP32 is exact
-            out.mul_(factor)
-            # A NaN makes the sum NaN; a cheap read pass replaces an isnan mask for the rare
-            # chunk that can hold one (an infinite sum only says "look closer").
-            if not math.isfinite(float(out.sum())):
-                _canonicalize_nan(out)
-
-        return torch.float32, _blocked(scaled)
+        scale = fp32_value(source.scale)
+        return torch.float32, _blocked(_widen_and_scale(_SMALLEST[torch.float16], scale))
     if source.kind == "fp8":
         assert source.scale is not None and source.fp8_dtype is not None
-        scale, fp8 = source.scale.to("cpu"), source.fp8_dtype
+        scale, fp8 = fp32_value(source.scale), source.fp8_dtype
         if fp8 == torch.float8_e4m3fn:
             return torch.float32, _blocked(functools.partial(_dequantize_e4m3, scale=scale))
-
-        # TE's own CPU formula (float8_tensor_storage.py L36-42): widen, multiply by scale_inv.
-        def dequantize(raw: torch.Tensor, out: torch.Tensor) -> None:
-            out.copy_(raw.view(fp8))
-            out.mul_(scale)
-            _canonicalize_nan(out)
-
-        return torch.float32, _blocked(dequantize)
+        if fp8 == torch.float8_e5m2:
+            # TE's own CPU formula (float8_tensor_storage.py L36-42): widen, * scale_inv.
+            return torch.float32, _blocked(_widen_and_scale(_SMALLEST[fp8], scale, fp8))
+        raise ValueError(
+            f"unsupported FP8 dtype {fp8}: valid values are torch.float8_e4m3fn and "
+            "torch.float8_e5m2"
+        )
     raise ValueError(f"unknown state kind {source.kind!r}")
+
+
+class _Kept:
+    """One kept output buffer: its storage, and the export that last took it."""
+
+    __slots__ = ("control", "export", "storage")
+
+    def __init__(self, storage: torch.UntypedStorage, export: object) -> None:
+        self.storage = storage
+        # Referenced exactly as `storage` is (once, from this object): sys.getrefcount of the
+        # two, taken the same way, differs only by the references held outside the cache.
+        self.control = object()
+        self.export = export
 
 
 class BufferCache:
     """Host output buffers kept across exports and handed out again once nobody holds them.
 
-    A buffer is reused only when its storage has no user left (no tensor, view, or DTensor
-    local tensor outside this cache), so a save still in flight, such as a DCP async save that
-    holds the previous export, is never overwritten; the next export gets fresh memory instead.
+    A buffer is reused only when nothing outside this cache can reach its memory: no tensor,
+    view, DTensor local tensor or NumPy array (each counts in the storage's use count), no
+    ``UntypedStorage`` or ``TypedStorage`` object (``t.untyped_storage()`` and ``t.storage()``
+    return the one Python object this cache also holds, so those count in its Python reference
+    count), and no other process (a storage moved to shared memory is never reused). So a save
+    still in flight, such as a DCP async save that holds the previous export, is never
+    overwritten; the next export gets fresh memory instead.
+
+    What is kept is bounded: at the end of each export, :meth:`trim` forgets the idle buffers
+    that this export did not take, so the cache holds the last export's buffers plus those that
+    were still referenced at its end (dropped by the next export once released), not the peak
+    of every export held at once.
     """
 
     def __init__(self) -> None:
-        self._storages: dict[tuple[tuple[int, ...], torch.dtype], list[Any]] = {}
+        self._kept: dict[tuple[tuple[int, ...], torch.dtype], list[_Kept]] = {}
         self._lock = threading.Lock()
 
     @staticmethod
-    def _idle(storage: Any) -> bool:
+    def _idle(kept: _Kept) -> bool:
         use_count = getattr(torch._C, "_storage_Use_Count", None)
-        return use_count is not None and use_count(storage._cdata) == 1
+        return (
+            use_count is not None
+            and use_count(kept.storage._cdata) == 1
+            and sys.getrefcount(kept.storage) == sys.getrefcount(kept.control)
+            and not kept.storage.is_shared()
+        )
 
-    def take(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    def take(self, shape: torch.Size, dtype: torch.dtype, *, export: object = None) -> torch.Tensor:
+        """An idle kept buffer of this shape and dtype, else a fresh one that is kept from now on.
+
+        ``export`` names the export taking it (any object); :meth:`trim` keeps what it took.
+        """
         key = (tuple(shape), dtype)
         with self._lock:
-            for storage in self._storages.get(key, []):
-                if self._idle(storage):
-                    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)  # type: ignore[call-overload]
+            for kept in self._kept.get(key, []):
+                if self._idle(kept):
+                    kept.export = export
+                    return torch.empty(0, dtype=dtype).set_(kept.storage, 0, shape)  # type: ignore[call-overload]
             out = empty_host(shape, dtype)
-            self._storages.setdefault(key, []).append(out.untyped_storage())
+            self._kept.setdefault(key, []).append(_Kept(out.untyped_storage(), export))
             return out
+
+    def trim(self, export: object) -> None:
+        """Forgets the idle buffers that ``export`` did not take (called at the end of each)."""
+        with self._lock:
+            for key, group in list(self._kept.items()):
+                group[:] = [k for k in group if k.export is export or not self._idle(k)]
+                if not group:
+                    del self._kept[key]
 
     @property
     def nbytes(self) -> int:
         with self._lock:
-            return sum(s.nbytes() for group in self._storages.values() for s in group)
+            return sum(k.storage.nbytes() for group in self._kept.values() for k in group)
 
     def clear(self) -> None:
         """Forgets every kept buffer; those still in use live on with their users."""
         with self._lock:
-            self._storages.clear()
+            self._kept.clear()
 
 
 #: Output buffers of exports made with ``Placement(reuse_buffers=True)``.
 buffers = BufferCache()
 
 
-def materialize(source: StateSource, *, reuse_buffers: bool = False) -> torch.Tensor:
+def materialize(
+    source: StateSource, *, reuse_buffers: bool = False, export: object = None
+) -> torch.Tensor:
     """Produces the exported host tensor for one state.
 
     The result owns a storage of exactly ``numel * element_size`` bytes and shares nothing with
-    the optimizer's live state, also when that state already lives on the CPU.
+    the optimizer's live state, also when that state already lives on the CPU. With
+    ``reuse_buffers``, the output comes from :data:`buffers`, taken on behalf of ``export``
+    (see :meth:`BufferCache.trim`).
     """
     if source.kind == "device":
         assert source.on_device is not None
         converted = source.on_device()
         try:
             return materialize(
-                StateSource(kind="copy", data=converted), reuse_buffers=reuse_buffers
+                StateSource(kind="copy", data=converted), reuse_buffers=reuse_buffers, export=export
             )
         finally:
             del converted  # released before the caller produces the next state
@@ -391,15 +577,15 @@ def materialize(source: StateSource, *, reuse_buffers: bool = False) -> torch.Te
     assert data is not None
     out_dtype, convert = _convert_fn(source)
     out = (
-        buffers.take(data.shape, out_dtype) if reuse_buffers else empty_host(data.shape, out_dtype)
+        buffers.take(data.shape, out_dtype, export=export)
+        if reuse_buffers
+        else empty_host(data.shape, out_dtype)
     )
-    if data.is_contiguous():
-        _stream_into(data, out, convert)
-    else:
+    if not data.is_contiguous():
         # Strided storage: one plain copy first. On a device that costs one contiguous device
         # temporary of the state's own size (torch's cross-device copy); TE never makes these.
-        raw = data.to("cpu", copy=True).contiguous()
-        convert(raw, out)
+        data = data.to("cpu", copy=True).contiguous()
+    _stream_into(data, out, convert)
     return out
 
 
@@ -478,12 +664,17 @@ def export_optimizer_state(
     Returns:
         ``state_dict`` with every planned state on the host.
     """
+    # This export's identity: the buffers it takes are the ones the cache keeps (and the place
+    # where a per-export report would collect what it did).
+    export = object()
     for key, param, sources in plan:
         exported: dict[str, Any] = {}
         for name, source in sources.items():
-            host = materialize(source, reuse_buffers=reuse_buffers)
+            host = materialize(source, reuse_buffers=reuse_buffers, export=export)
             _register_export(host)
             exported[name] = to_cpu_dtensor(host, param) if isinstance(param, DTensor) else host
             del host
         state_dict["state"][key] = exported
+    if reuse_buffers:
+        buffers.trim(export)
     return state_dict

@@ -276,12 +276,12 @@ def test_pool_is_reused_and_survives_a_failing_conversion(monkeypatch: pytest.Mo
     def failing(source: StateSource):  # type: ignore[no-untyped-def]
         dtype, convert = real(source)
 
-        def boom(raw: torch.Tensor, out: torch.Tensor) -> None:
+        def boom(raw: torch.Tensor, out: torch.Tensor, scratch: object) -> None:
             nonlocal calls
             calls += 1
             if calls == 3:
                 raise MemoryError("injected")
-            convert(raw, out)
+            convert(raw, out, scratch)
 
         return dtype, boom
 
