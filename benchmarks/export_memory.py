@@ -576,7 +576,7 @@ def bandwidths(nbytes: int = 2 * G, repeats: int = 3) -> dict[str, float]:
 
     advice, engine.HUGEPAGES = engine.HUGEPAGES, not engine.HUGEPAGES
     try:
-        other_rate = best(fresh)  # the same writes with the other page-size choice, for NOTES.md
+        other_rate = best(fresh)  # the same writes with the other page-size advice
     finally:
         engine.HUGEPAGES = advice
     warm_out = torch.empty_like(src)

@@ -28,6 +28,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 __all__ = [
     "Plan",
+    "lent_stager",
     "StateSource",
     "export_optimizer_state",
     "is_exported",
@@ -215,6 +216,31 @@ class _Lease:
         return self.stager
 
 
+class lent_stager:  # noqa: N801 - used like a function, as contextlib's helpers are
+    """Lends a stager for a ``with`` block (the load pipeline's borrow), as :class:`_Lease` does.
+
+    On exit every copy issued through it has completed, and the stager is free again; a block
+    that dies without exiting frees it with its lease.
+    """
+
+    __slots__ = ("device", "lease")
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.lease = _Lease()
+
+    def __enter__(self) -> _Stager:
+        return self.lease.take(self.device)
+
+    def __exit__(self, *exc: object) -> None:
+        stager = self.lease.stager
+        if stager is not None and stager.lessee is self.lease.ref:
+            try:
+                stager.synchronize()  # no copy outlives the block that issued it
+            finally:
+                stager.lessee = None
+
+
 def staging_in_use() -> int:
     """How many stagers are lent out right now (0 between exports)."""
     with _pool_lock:
@@ -286,7 +312,7 @@ def _stream_into(src: torch.Tensor, out: torch.Tensor, convert: Convert) -> None
 #: thread, at least 1 Mi. Each thread's share of a block's FP32 output (1 MiB) stays in its cache
 #: across the passes, where passes over a whole chunk would each go to memory. Smaller blocks
 #: lose to the thread pool's fork/join: 1 Mi-element blocks on 32 threads measured 2x slower
-#: than 4 Mi (benchmarks/NOTES.md).
+#: than 4 Mi (docs/performance-log.md).
 BLOCK_ELEMENTS: int | None = None
 
 

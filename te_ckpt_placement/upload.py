@@ -168,7 +168,7 @@ class Uploader:
         self._offset = 0
 
     def __enter__(self) -> Uploader:
-        self._stager = self._exit.enter_context(engine._stager(self.device))
+        self._stager = self._exit.enter_context(engine.lent_stager(self.device))
         self._offset = self._stager.chunk_bytes  # the first take starts a fresh slot
         return self
 
