@@ -11,18 +11,26 @@ from __future__ import annotations
 from pytorch_lightning import Callback
 
 from ._lightning import (
+    FABRIC_METHODS,
     STRATEGY_METHODS,
+    TRAINER_METHODS,
+    FrameworkMethodError,
     PlacementCallbackLogic,
     PlacementStrategyMixin,
     place_strategy,
+    strategy_placement,
     unplace_strategy,
 )
 
 __all__ = [
+    "FABRIC_METHODS",
     "STRATEGY_METHODS",
+    "TRAINER_METHODS",
+    "FrameworkMethodError",
     "PlacementCallback",
     "PlacementStrategyMixin",
     "place_strategy",
+    "strategy_placement",
     "unplace_strategy",
 ]
 

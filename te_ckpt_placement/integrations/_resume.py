@@ -1,0 +1,217 @@
+"""What a placed resume does besides running under the policy (no framework imports).
+
+A streaming policy makes TE FusedAdam's ``load_state_dict`` take each state from host memory
+one at a time. The framework around it can still put the checkpoint on the GPU first (a
+``torch.load`` with a device ``map_location``, a checkpoint kept on the device it was saved
+from), or run torch's fake optimizer step before a distributed load. These helpers are the
+integrations' answers:
+
+- :func:`host_load`: ``torch.load`` into host memory, memory-mapped where torch allows;
+- :func:`initialize`: TE's initial states built directly, so torch's
+  ``get_optimizer_state_dict``/``set_optimizer_state_dict`` skip their fake step (zero
+  gradients for every parameter plus the step's temporaries, all on the GPU);
+- :func:`host_group`, :func:`load_sharded` and :func:`load_full`: an FSDP2 optimizer load
+  whose collectives and data stay in host memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from ..policy import current_placement
+
+__all__ = [
+    "host_group",
+    "host_load",
+    "initialize",
+    "load_full",
+    "load_sharded",
+    "optimizers_in",
+    "streaming",
+]
+
+
+def streaming() -> bool:
+    """True inside a policy that streams (``export_placement("cpu")``)."""
+    placement = current_placement()
+    return placement is not None and placement.streams
+
+
+def host_load(path: str | os.PathLike[str], *, mmap: bool, weights_only: bool | None = True) -> Any:
+    """``torch.load(path)`` into host memory.
+
+    With ``mmap``, tensors are views of the file mapped into memory: the streaming load reads
+    each state from there, so the checkpoint is never copied into fresh host memory as a whole.
+    A file in torch's legacy (non-zip) format cannot be mapped and is read normally.
+    """
+    if mmap:
+        try:
+            return torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+        except RuntimeError as exc:
+            if "mmap" not in str(exc):
+                raise
+    return torch.load(path, map_location="cpu", weights_only=weights_only)
+
+
+def _unwrap(optimizer: Any) -> Any:
+    # accelerate's AcceleratedOptimizer and Fabric's wrapper expose `.optimizer`; Lightning's
+    # LightningOptimizer `._optimizer`.
+    for _ in range(8):
+        inner = getattr(optimizer, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):
+            inner = getattr(optimizer, "_optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer) or inner is optimizer:
+            return optimizer
+        optimizer = inner
+    return optimizer
+
+
+def optimizers_in(value: Any) -> list[Any]:
+    """The optimizers in ``value``: an optimizer, or a mapping/sequence holding some."""
+    if isinstance(value, torch.optim.Optimizer):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, torch.optim.Optimizer)]
+    return []
+
+
+def initialize(optimizers: Iterable[Any]) -> None:
+    """Gives each fresh TE FusedAdam in ``optimizers`` its initial states, inside a streaming
+    policy only.
+
+    torch then skips its fake step. Optimizers that are not TE FusedAdam, or that already
+    have state, are left alone (torch's own behaviour applies to them).
+    """
+    if not streaming():
+        return
+    from ..te_contract import ContractError
+    from ..te_load import initialize_states
+
+    for optimizer in optimizers:
+        with contextlib.suppress(ContractError):
+            initialize_states(_unwrap(optimizer))
+
+
+@contextlib.contextmanager
+def host_group() -> Iterator[Any]:
+    """A gloo process group over the default group's ranks, for collectives on host memory.
+
+    Object collectives and barriers on a NCCL group stage their payload in GPU memory; these
+    run on the host. Collective: every rank must enter it. The group is destroyed on exit.
+    """
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="gloo")
+    try:
+        yield group
+    finally:
+        dist.destroy_process_group(group)
+
+
+def load_sharded(model: Any, optimizer: Any, checkpoint_id: str, options: Any, group: Any) -> None:
+    """accelerate's FSDP2 ``SHARDED_STATE_DICT`` optimizer load with its collectives on ``group``.
+
+    The same calls as ``accelerate.utils.fsdp_utils.load_fsdp_optimizer`` (a template from
+    ``get_optimizer_state_dict``, ``dcp.load`` into it, ``set_optimizer_state_dict``), with
+    DCP's planning collectives and the barriers on the host group.
+    """
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    dist.barrier(group=group)
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer, options=options)}
+    dcp_load(
+        state,
+        storage_reader=FileSystemReader(checkpoint_id),
+        planner=DefaultLoadPlanner(),
+        process_group=group,
+    )
+    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
+    del state
+    dist.barrier(group=group)
+
+
+def load_full(model: Any, optimizer: Any, path: str, options: Any, group: Any) -> bool:
+    """An FSDP2 ``FULL_STATE_DICT`` optimizer load that slices each rank's shard on the host.
+
+    torch's full-state load broadcasts every state from rank 0 through GPU memory, one whole
+    (unsharded) state at a time. Here every rank maps ``path`` into memory, copies its own
+    shard of each state into a local template (``get_optimizer_state_dict`` without
+    ``full_state_dict``) and loads that template. Needs ``path`` readable on every rank (a
+    shared checkpoint directory); returns False, having loaded nothing, when some rank cannot
+    read it.
+
+    Raises:
+        ValueError: a state's global shape differs from the checkpoint's; the optimizer is
+            unchanged.
+    """
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    readable = os.path.isfile(path) and os.access(path, os.R_OK)
+    seen: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(seen, readable, group=group)
+    if not all(seen):
+        return False
+    full = host_load(path, mmap=True)
+    local = dataclasses.replace(options, full_state_dict=False, broadcast_from_rank0=False)
+    template = get_optimizer_state_dict(model, optimizer, options=local)
+    _fill_from_full(template, full, path)
+    set_optimizer_state_dict(model, optimizer, template, options=local)
+    del template, full
+    dist.barrier(group=group)
+    return True
+
+
+def _fill_from_full(template: dict[str, Any], full: dict[str, Any], path: str) -> None:
+    """Copies each rank's shard of every state in ``full`` into ``template`` (same FQN keys).
+
+    States the checkpoint lacks keep the template's value, as in torch's full-state load.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    saved = full.get("state", {})
+    for fqn, states in template["state"].items():
+        source_states = saved.get(fqn)
+        if source_states is None:
+            continue
+        for name, value in list(states.items()):
+            source = source_states.get(name)
+            if source is None:
+                continue
+            if not isinstance(value, torch.Tensor):
+                states[name] = source
+                continue
+            if tuple(source.shape) != tuple(value.shape):
+                raise ValueError(
+                    f"cannot load the optimizer checkpoint {path}: state {name!r} of {fqn} has "
+                    f"shape {tuple(source.shape)}, the model's {tuple(value.shape)}. Nothing "
+                    "was loaded; the optimizer is unchanged."
+                )
+            if isinstance(value, DTensor):
+                shape, offset = compute_local_shape_and_global_offset(
+                    value.shape, value.device_mesh, value.placements
+                )
+                index = tuple(slice(o, o + s) for s, o in zip(shape, offset, strict=True))
+                value.to_local().copy_(source[index])
+            else:
+                value.copy_(source)
+    template["param_groups"] = full["param_groups"]
