@@ -60,9 +60,12 @@ def _uses_state_dict_api(strategy: Any) -> bool:
 
 def _stock_torch_io(strategy: Any) -> Any:
     """The strategy's ``TorchCheckpointIO`` (under any wrapping IO, such as
-    ``AsyncCheckpointIO``) when its ``load_checkpoint`` is Lightning's own, else None."""
+    ``AsyncCheckpointIO``) when its ``load_checkpoint`` is Lightning's own, else None (a
+    custom ``CheckpointIO`` decides its own map_location)."""
     io = getattr(strategy, "checkpoint_io", None)
     for _ in range(8):
+        if "load_checkpoint" in getattr(io, "__dict__", {}):
+            return None  # someone's own instance-level load: left alone
         load = getattr(type(io), "load_checkpoint", None)
         name = getattr(load, "__qualname__", "")
         if name == "TorchCheckpointIO.load_checkpoint":
