@@ -31,9 +31,10 @@ strategy's ``load_checkpoint`` (Fabric, inside ``fabric.load``, before its closi
   hyperparameter equals the ``te_default`` resume's, bit for bit.
 
 On the GPU every window records the CUDA allocator's history (Python stacks, in both modes);
-a ``placement_cpu`` record with ``peak_extra_gpu_bytes > 0`` carries ``peak_temporaries``: the
-allocations alive at the peak and freed by the end, with their stacks. The save that makes the
-checkpoint is measured the same way (``op="trainer_save"``, ``placement_cpu`` only).
+a ``placement_cpu`` record whose window allocated beyond what it kept carries
+``peak_allocations`` (Lightning's checkpoint read: ``read_peak_allocations``): the allocations
+alive at the peak, temporaries and retained, largest first, with their stacks. The save that
+makes the checkpoint is measured the same way (``op="trainer_save"``, ``placement_cpu`` only).
 
 Usage (from the repository root):
     python benchmarks/trainer_resume.py --out FILE.json                  # GPUs, TE required
@@ -135,12 +136,18 @@ def _window_start_marker() -> None:
 
 
 class Window:
-    """GPU (allocator), host (RSS) and time of one block; see the module docstring."""
+    """GPU (allocator), host (RSS) and time of one block; see the module docstring.
 
-    def __init__(self, cuda: bool) -> None:
+    With ``diagnose``, a window that allocated more than it should (beyond what it left
+    allocated, or anything at all when ``expect_live`` is False) records what was alive at its
+    allocation peak, with stacks, in ``result["peak_allocations"]``.
+    """
+
+    def __init__(self, cuda: bool, *, diagnose: bool = False, expect_live: bool = True) -> None:
         self.cuda = cuda
+        self.diagnose = diagnose
+        self.expect_live = expect_live
         self.result: dict[str, Any] = {}
-        self.snapshot: Any = None
 
     def __enter__(self) -> Window:
         gc.collect()
@@ -164,19 +171,20 @@ class Window:
         self.result["seconds"] = time.perf_counter() - self.start
         self._host.__exit__()
         self.result["peak_extra_host_bytes"] = self._host.peak - self.host_base
-        if self.cuda:
-            self.peak = torch.cuda.max_memory_allocated()
-            self.after = torch.cuda.memory_allocated()
-            self.result["live_state_bytes"] = self.after - self.base
-            self.result["peak_extra_gpu_bytes"] = self.peak - self.after
-        else:
+        if not self.cuda:
             self.result["live_state_bytes"] = None
             self.result["peak_extra_gpu_bytes"] = None
-
-    def keep_trace(self) -> None:
-        """Takes the allocator history of this window (call right after it closed)."""
-        if self.cuda:
-            self.snapshot = torch.cuda.memory._snapshot()
+            return
+        self.peak = torch.cuda.max_memory_allocated()
+        self.after = torch.cuda.memory_allocated()
+        self.result["live_state_bytes"] = self.after - self.base
+        self.result["peak_extra_gpu_bytes"] = self.peak - self.after
+        unexpected = self.peak - (self.after if self.expect_live else self.base)
+        if self.diagnose and unexpected > 0:
+            self.result["peak_allocations"] = peak_allocations(
+                torch.cuda.memory._snapshot(), torch.cuda.current_device()
+            )
+        torch.cuda.memory._record_memory_history(None)
 
 
 def _short_stack(frames: list[dict[str, Any]], depth: int = 8) -> list[str]:
@@ -192,8 +200,9 @@ def _short_stack(frames: list[dict[str, Any]], depth: int = 8) -> list[str]:
     return out
 
 
-def peak_temporaries(snapshot: Any, device: int, limit: int = 12) -> list[dict[str, Any]]:
-    """The allocations alive at the window's allocation peak and freed by its end."""
+def peak_allocations(snapshot: Any, device: int, limit: int = 12) -> dict[str, Any]:
+    """What was alive at the window's allocation peak: the temporaries (freed by the end) and
+    the retained allocations, largest first, with their stacks."""
     trace = snapshot["device_traces"][device]
     start = 0
     for i, event in enumerate(trace):
@@ -214,11 +223,19 @@ def peak_temporaries(snapshot: Any, device: int, limit: int = 12) -> list[dict[s
         elif action == "free_requested" and event["addr"] in live:
             total -= live.pop(event["addr"])[1]["size"]
     remaining = {j for j, _ in live.values()}
+
+    def listed(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        events = sorted(events, key=lambda e: -e["size"])[:limit]
+        return [{"bytes": e["size"], "stack": _short_stack(e.get("frames", []))} for e in events]
+
     temporaries = [e for j, e in at_peak.items() if j not in remaining]
-    temporaries.sort(key=lambda e: -e["size"])
-    return [{"bytes": e["size"], "stack": _short_stack(e.get("frames", []))} for e in temporaries][
-        :limit
-    ]
+    retained = [e for j, e in at_peak.items() if j in remaining]
+    return {
+        "temporary_bytes": sum(e["size"] for e in temporaries),
+        "retained_bytes": sum(e["size"] for e in retained),
+        "temporaries": listed(temporaries),
+        "retained": listed(retained)[: limit // 2],
+    }
 
 
 # --- models, optimizers, state fingerprints ------------------------------------------------------
@@ -421,7 +438,7 @@ class Run:
             }
         )
 
-    def resumed(self, mode: str, result: dict[str, Any], window: Window | None, fp: Any) -> None:
+    def resumed(self, mode: str, result: dict[str, Any], fp: Any) -> None:
         extra: dict[str, Any] = {}
         if mode == "te_default":
             self.reference = fp
@@ -433,11 +450,6 @@ class Run:
                 self.env.fail(
                     f"{self.framework}/{self.variant}: {len(bad)} resumed states differ from "
                     f"te_default's, e.g. {bad[:3]}"
-                )
-            if window is not None and (result.get("peak_extra_gpu_bytes") or 0) > 0:
-                window.keep_trace()
-                extra["peak_temporaries"] = peak_temporaries(
-                    window.snapshot, torch.cuda.current_device()
                 )
         self.record("trainer_resume", mode, result, **extra)
 
@@ -496,7 +508,7 @@ def run_transformers(env: Env, variant: str) -> None:
 
     class SaveMeasured(PlacementTrainer):
         def _save_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
-            with Window(env.cuda) as window:
+            with Window(env.cuda, diagnose=True) as window:
                 result = super()._save_checkpoint(*args, **kwargs)
             holder["save"] = window.result
             holder["n"] = local_elements(self.model.parameters())
@@ -504,7 +516,7 @@ def run_transformers(env: Env, variant: str) -> None:
 
     class ResumeMeasured:
         def _load_optimizer_and_scheduler(self, checkpoint: Any) -> Any:
-            with Window(env.cuda) as window:
+            with Window(env.cuda, diagnose=isinstance(self, PlacementTrainer)) as window:
                 result = super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
             holder["window"] = window
             holder["fp"] = fingerprint(self.optimizer)  # type: ignore[attr-defined]
@@ -526,6 +538,7 @@ def run_transformers(env: Env, variant: str) -> None:
     trainer.train()
     del trainer
     env.free()
+    env.barrier()  # the checkpoint is complete on every rank
     run = Run(env, "transformers", variant, holder["n"])
     run.record("trainer_save", "placement_cpu", holder["save"])
     checkpoint = out / f"checkpoint-{STEPS}"
@@ -540,7 +553,7 @@ def run_transformers(env: Env, variant: str) -> None:
         )
         trainer.train(resume_from_checkpoint=str(checkpoint))
         window = holder.pop("window")
-        run.resumed(mode, window.result, window, holder.pop("fp"))
+        run.resumed(mode, window.result, holder.pop("fp"))
         del trainer, window
         env.free()
     env.remove(out)
@@ -605,7 +618,7 @@ def run_lightning(env: Env, variant: str) -> None:
     save_checkpoint = saving.save_checkpoint
 
     def measured_save(*args: Any, **kwargs: Any) -> Any:
-        with Window(env.cuda) as window:
+        with Window(env.cuda, diagnose=True) as window:
             result = save_checkpoint(*args, **kwargs)
         saves.append(window.result)
         return result
@@ -617,6 +630,7 @@ def run_lightning(env: Env, variant: str) -> None:
     run.record("trainer_save", "placement_cpu", saves[0])
     del saving, module
     env.free()
+    env.barrier()
     checkpoint = out / f"step={STEPS}.ckpt"
     for mode in MODES:
         callbacks = [PlacementCallback()] if mode == "placement_cpu" else []
@@ -626,10 +640,17 @@ def run_lightning(env: Env, variant: str) -> None:
         windows: dict[str, Window] = {}
         fps: list[Any] = []
 
+        placed = mode == "placement_cpu"
+
         def measured_start(
-            *args: Any, _start: Any = resume_start, _windows: Any = windows, **kwargs: Any
+            *args: Any,
+            _start: Any = resume_start,
+            _windows: Any = windows,
+            _placed: bool = placed,
+            **kwargs: Any,
         ) -> Any:
-            with Window(env.cuda) as window:
+            # The read should leave nothing on the GPU: expect_live=False.
+            with Window(env.cuda, diagnose=_placed, expect_live=False) as window:
                 result = _start(*args, **kwargs)
             _windows["read"] = window
             return result
@@ -639,8 +660,9 @@ def run_lightning(env: Env, variant: str) -> None:
             _trainer: Any = resuming,
             _windows: Any = windows,
             _fps: Any = fps,
+            _placed: bool = placed,
         ) -> Any:
-            with Window(env.cuda) as window:
+            with Window(env.cuda, diagnose=_placed) as window:
                 result = _restore()
             _windows["restore"] = window
             _fps.append(fingerprint(_trainer.strategy.optimizers[0]))
@@ -655,18 +677,16 @@ def run_lightning(env: Env, variant: str) -> None:
         result["peak_extra_host_bytes"] = max(
             read.result["peak_extra_host_bytes"], restore_window.result["peak_extra_host_bytes"]
         )
-        worst = restore_window
         if env.cuda:
             held = read.after - read.base  # what the read left on the GPU until resume_end
             during_read = read.peak - read.base
             during_restore = held + restore_window.result["peak_extra_gpu_bytes"]
             result["peak_extra_gpu_bytes"] = max(during_read, during_restore)
             result["checkpoint_held_gpu_bytes"] = held
-            if during_read > during_restore:
-                read.result["peak_extra_gpu_bytes"] = during_read
-                worst = read
-        run.resumed(mode, result, worst, fps[0])
-        del resuming, windows, worst, read, restore_window
+            if "peak_allocations" in read.result:
+                result["read_peak_allocations"] = read.result["peak_allocations"]
+        run.resumed(mode, result, fps[0])
+        del resuming, windows, read, restore_window
         env.free()
     env.remove(out)
 
@@ -704,12 +724,13 @@ def run_fabric(env: Env, variant: str) -> None:
         optimizer.step()
         optimizer.zero_grad()
     place_strategy(saving.strategy)
-    with Window(env.cuda) as window:
+    with Window(env.cuda, diagnose=True) as window:
         saving.save(checkpoint, {"model": model, "optimizer": optimizer, "step": STEPS})
     run = Run(env, "fabric", variant, local_elements(model.parameters()))
     run.record("trainer_save", "placement_cpu", window.result)
     del saving, model, optimizer, window
     env.free()
+    env.barrier()
     for mode in MODES:
         resuming = fabric()
         model, optimizer = setup(resuming, seed=1)
@@ -720,16 +741,20 @@ def run_fabric(env: Env, variant: str) -> None:
         windows: list[Window] = []
 
         def measured_load(
-            *args: Any, _load: Any = load_checkpoint, _windows: Any = windows, **kwargs: Any
+            *args: Any,
+            _load: Any = load_checkpoint,
+            _windows: Any = windows,
+            _placed: bool = mode == "placement_cpu",
+            **kwargs: Any,
         ) -> Any:
-            with Window(env.cuda) as window:
+            with Window(env.cuda, diagnose=_placed) as window:
                 result = _load(*args, **kwargs)
             _windows.append(window)
             return result
 
         strategy.load_checkpoint = measured_load
         resuming.load(checkpoint, {"model": model, "optimizer": optimizer})
-        run.resumed(mode, windows[0].result, windows[0], fingerprint(optimizer))
+        run.resumed(mode, windows[0].result, fingerprint(optimizer))
         del resuming, model, optimizer, strategy, windows, load_checkpoint
         env.free()
     env.remove(out)

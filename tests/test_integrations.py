@@ -497,3 +497,53 @@ def test_module_launch_fails_clearly(tmp_path: Path, recipe: Any, fake: bool, me
     assert out.returncode != 0
     assert message in out.stderr, out.stderr
     assert not (tmp_path / "ran.json").exists()
+
+
+# --- resume: TE's initial states without GPU temporaries -----------------------------------------
+
+
+@pytest.mark.parametrize("master", ["fp32", "remainder", "none"])
+@pytest.mark.parametrize("moments", [torch.bfloat16, torch.float32, torch.float16])
+def test_resume_initialize_equals_te_initialize_state(
+    moments: torch.dtype, master: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The host-built initial states (BF16/FP32 storage) are TE's initialize_state bit for bit;
+    # other storage goes through te_load.initialize_states itself.
+    from te_ckpt_placement import export_placement
+    from te_ckpt_placement.integrations import _resume
+
+    from .helpers import assert_snapshot_equal, snapshot
+    from .standin import make_optimizer
+
+    def build() -> Any:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Linear(4, 3)).to(torch.bfloat16)
+        return make_optimizer(model.parameters(), moments=moments, master=master)
+
+    reference = build()
+    for group in reference.param_groups:
+        for param in group["params"]:
+            reference.initialize_state(param, master == "remainder")
+    ours = build()
+    if moments != torch.float16:  # built on the host, not by TE's initializer (GPU temporaries)
+        from te_ckpt_placement import te_load
+
+        def on_gpu(optimizer: Any) -> bool:
+            raise AssertionError("te_load.initialize_states used for BF16/FP32 storage")
+
+        monkeypatch.setattr(te_load, "initialize_states", on_gpu)
+    _resume.initialize([ours])
+    assert not ours.state  # outside a streaming policy: nothing
+    with export_placement("cpu"):
+        _resume.initialize([ours])
+    assert_snapshot_equal(
+        {i: s for i, s in enumerate(snapshot(ours).values())},
+        {i: s for i, s in enumerate(snapshot(reference).values())},
+    )
+    for p_ours, p_ref in zip(
+        ours.param_groups[0]["params"], reference.param_groups[0]["params"], strict=True
+    ):
+        assert ours._scales.get(p_ours, {}).keys() == reference._scales.get(p_ref, {}).keys()
+    with export_placement("cpu"):
+        _resume.initialize([ours])  # has state now: left alone
+    assert ours.param_groups[0].get("step") in (None, 1)

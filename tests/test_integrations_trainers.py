@@ -72,3 +72,35 @@ def test_trainer_resume_harness_on_cpu(tmp_path: Path) -> None:
         w * len([c for c in cs if c not in GPU_ONLY]) for w, cs in CONFIGS.items()
     )
     assert not list((tmp_path / "checkpoints").rglob("*.ckpt"))  # each configuration cleans up
+
+
+def test_peak_allocations_from_an_allocator_trace() -> None:
+    from benchmarks.trainer_resume import peak_allocations
+
+    def frames(name: str) -> list[dict[str, object]]:
+        return [{"filename": "/x/torch/cuda/memory.py", "line": 1, "name": "inner"},
+                {"filename": f"/repo/pkg/{name}.py", "line": 7, "name": name}]  # fmt: skip
+
+    def alloc(addr: int, size: int, name: str) -> dict[str, object]:
+        return {"action": "alloc", "addr": addr, "size": size, "frames": frames(name)}
+
+    def free(addr: int, size: int) -> dict[str, object]:
+        return {"action": "free_requested", "addr": addr, "size": size, "frames": []}
+
+    trace = [
+        alloc(1, 512, "before"),  # an earlier window, ignored
+        alloc(9, 512, "_window_start_marker"),
+        free(9, 512),
+        alloc(2, 4096, "state"),  # kept
+        alloc(3, 8192, "cast"),  # temporary: alive at the peak, freed by the end
+        alloc(4, 1024, "state"),  # kept
+        free(3, 8192),
+        alloc(3, 2048, "late"),  # the same address again, after the peak, freed
+        free(3, 2048),
+        free(1, 512),
+    ]
+    found = peak_allocations({"device_traces": [trace]}, 0)
+    assert found["temporary_bytes"] == 8192
+    assert found["retained_bytes"] == 4096 + 1024
+    assert found["temporaries"] == [{"bytes": 8192, "stack": ["repo/pkg/cast.py:7 cast"]}]
+    assert [r["bytes"] for r in found["retained"]] == [4096, 1024]
