@@ -24,6 +24,8 @@ strategy's ``load_checkpoint`` (Fabric, inside ``fabric.load``, before its closi
 - ``peak_extra_gpu_bytes``: the GPU memory beyond what the optimizer's own live states take after
   the load: (peak during the load) - (allocated before) - ``live_state_bytes``;
 - ``live_state_bytes``: what the load left allocated (the optimizer states it created);
+- ``peak_extra_gpu_bytes_other_devices``: the peak of this process's allocations on the other
+  GPUs (a checkpoint read that keeps saved devices puts rank 1's copy on GPU 0);
 - ``peak_extra_host_bytes``: peak process RSS above the start (sampled every millisecond; file
   pages of a memory-mapped checkpoint count);
 - ``seconds``: wall time of the measured part;
@@ -129,6 +131,10 @@ class _HostPeak:
         self.peak = max(self.peak, _statm()[0])
 
 
+def _current() -> int:
+    return torch.cuda.current_device()
+
+
 def _window_start_marker() -> None:
     # An allocation whose stack names this function marks the start of a window in the trace.
     marker = torch.empty(1, device="cuda")
@@ -160,6 +166,12 @@ class Window:
             _window_start_marker()
             self.base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
+            # A checkpoint read keeps the device a tensor was saved from: rank 1 may allocate
+            # on GPU 0. Those bytes count too (peak_extra_gpu_bytes_other_devices).
+            self.others = [d for d in range(torch.cuda.device_count()) if d != _current()]
+            self.other_base = {d: torch.cuda.memory_allocated(d) for d in self.others}
+            for d in self.others:
+                torch.cuda.reset_peak_memory_stats(d)
         self.host_base = _statm()[0]
         self._host = _HostPeak().__enter__()
         self.start = time.perf_counter()
@@ -174,11 +186,15 @@ class Window:
         if not self.cuda:
             self.result["live_state_bytes"] = None
             self.result["peak_extra_gpu_bytes"] = None
+            self.result["peak_extra_gpu_bytes_other_devices"] = None
             return
         self.peak = torch.cuda.max_memory_allocated()
         self.after = torch.cuda.memory_allocated()
         self.result["live_state_bytes"] = self.after - self.base
         self.result["peak_extra_gpu_bytes"] = self.peak - self.after
+        self.result["peak_extra_gpu_bytes_other_devices"] = sum(
+            torch.cuda.max_memory_allocated(d) - self.other_base[d] for d in self.others
+        )
         unexpected = self.peak - (self.after if self.expect_live else self.base)
         if self.diagnose and unexpected > 0:
             self.result["peak_allocations"] = peak_allocations(
@@ -683,6 +699,10 @@ def run_lightning(env: Env, variant: str) -> None:
             during_restore = held + restore_window.result["peak_extra_gpu_bytes"]
             result["peak_extra_gpu_bytes"] = max(during_read, during_restore)
             result["checkpoint_held_gpu_bytes"] = held
+            result["peak_extra_gpu_bytes_other_devices"] = max(
+                read.result["peak_extra_gpu_bytes_other_devices"],
+                restore_window.result["peak_extra_gpu_bytes_other_devices"],
+            )
             if "peak_allocations" in read.result:
                 result["read_peak_allocations"] = read.result["peak_allocations"]
         run.resumed(mode, result, fps[0])

@@ -84,6 +84,7 @@ def check(data: dict[str, Any], config: str, world_size: int) -> None:
         assert record["world_size"] == world_size
         assert record["states_equal_plain"] is True, record
         assert record["peak_extra_gpu_bytes"] == 0, record
+        assert record["peak_extra_gpu_bytes_other_devices"] == 0, record
         assert record["live_state_bytes"] > 0, record
     for record in plain:
         assert record["peak_extra_gpu_bytes"] > 0, record
