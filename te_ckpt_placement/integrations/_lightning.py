@@ -45,6 +45,7 @@ __all__ = [
     "unplace_strategy",
 ]
 
+# The framework as error messages name it, with the version this integration was tested with.
 LIGHTNING = Framework(
     "Lightning", ("lightning", "pytorch-lightning", "lightning-fabric"), tested="2.6.6"
 )

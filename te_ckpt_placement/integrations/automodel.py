@@ -53,6 +53,7 @@ __all__ = [
 ]
 
 MODULE = "te_ckpt_placement.integrations.automodel"
+# The framework as error messages name it, with the source this integration was written against.
 AUTOMODEL = Framework(
     "NeMo Automodel", ("nemo_automodel", "nemo-automodel"), tested="at commit 36044ad3 (source)"
 )

@@ -78,6 +78,7 @@ __all__ = [
     "unplace_trainer",
 ]
 
+# The framework as error messages name it, with the versions this integration was tested with.
 TRANSFORMERS = Framework("transformers", ("transformers",), tested="5.17 and 5.24")
 
 # File names as the Trainer and accelerate write them (transformers.trainer, accelerate.utils).

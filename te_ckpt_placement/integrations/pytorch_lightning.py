@@ -36,8 +36,14 @@ __all__ = [
 
 
 class PlacementCallback(PlacementCallbackLogic, Callback):
-    """The ``pytorch_lightning`` build of ``integrations.lightning.PlacementCallback``.
+    """The ``pytorch_lightning`` build of ``integrations.lightning.PlacementCallback``: the same
+    behaviour, for a ``pytorch_lightning.Trainer``.
 
     Args:
         placement: ``"cpu"`` (default) or a ``Placement``.
+
+    Raises:
+        ValueError: ``placement`` is not a valid device or ``Placement`` (at construction).
+        FrameworkMethodError: in ``setup``, when the strategy lacks a method the integration
+            wraps.
     """
