@@ -53,7 +53,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=560,  # under the GPU machine's 10-minute limit per command; expected ~3 min
     )
     print(proc.stdout[-20000:])
     print(proc.stderr[-20000:], file=sys.stderr)
