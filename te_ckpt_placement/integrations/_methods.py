@@ -35,6 +35,7 @@ __all__ = [
     "FrameworkMethodError",
     "Method",
     "PlacedMethod",
+    "as_methods",
     "PlacementLike",
     "call_placed",
     "check_methods",
@@ -130,17 +131,26 @@ def call_placed(
         return method.around(obj, original, *args, **kwargs)
 
 
+def as_methods(methods: Iterable[Method | str]) -> tuple[Method, ...]:
+    """Specs from specs or bare names (a bare name is an optional method)."""
+    return tuple(
+        m if isinstance(m, Method) else Method(m, "a checkpoint method", required=False)
+        for m in methods
+    )
+
+
 def check_methods(
     target: object,
     methods: Sequence[Method],
-    framework: Framework,
+    framework: Framework | None,
     *,
     what: str,
     has: Callable[[str], bool] | None = None,
 ) -> tuple[Method, ...]:
     """The specs of ``methods`` that ``target`` (a class or an instance) has.
 
-    ``has(name)`` replaces the lookup ``callable(getattr(target, name))``.
+    ``has(name)`` replaces the lookup ``callable(getattr(target, name))``. ``framework`` names
+    the framework and its tested versions in the messages (``None``: no framework named).
 
     Raises:
         FrameworkMethodError: ``target`` lacks a required method; nothing was changed.
@@ -149,6 +159,8 @@ def check_methods(
         RuntimeWarning: for each optional method ``target`` lacks (that path stays unplaced).
     """
     owner = target if isinstance(target, type) else type(target)
+    installed = f" ({framework.describe()})" if framework is not None else ""
+    tested = f"Tested with {framework.name} {framework.tested}." if framework is not None else ""
     if has is None:
 
         def has(name: str) -> bool:
@@ -159,16 +171,16 @@ def check_methods(
     if required:
         listed = "; ".join(f"{m.name} ({m.why})" for m in required)
         raise FrameworkMethodError(
-            f"te_ckpt_placement cannot place {what}: {owner.__module__}.{owner.__qualname__} "
-            f"({framework.describe()}) has no {listed}. The integration was written against "
-            f"{framework.name} {framework.tested}; without this method it would silently leave "
-            "that path on the GPU. Install a tested version, or wrap the framework's save and "
-            "load calls in `with te_ckpt_placement.export_placement('cpu'):` yourself."
+            f"te_ckpt_placement cannot place {what}: {owner.__module__}.{owner.__qualname__}"
+            f"{installed} has no {listed}. {tested} Without this method the integration would "
+            "silently leave that path on the GPU. Install a tested version, or wrap the "
+            "framework's save and load calls in `with te_ckpt_placement.export_placement('cpu'):` "
+            "yourself."
         )
     for m in missing:
         warnings.warn(
-            f"te_ckpt_placement: {owner.__qualname__} ({framework.describe()}) has no {m.name} "
-            f"({m.why}); that path is not placed. Tested with {framework.name} {framework.tested}.",
+            f"te_ckpt_placement: {owner.__qualname__}{installed} has no {m.name} ({m.why}); "
+            f"that path is not placed. {tested}".rstrip(),
             RuntimeWarning,
             stacklevel=3,
         )
@@ -302,19 +314,20 @@ def placement_of(obj: object) -> Placement | None:
 
 def place_methods(
     obj: object,
-    methods: Sequence[Method],
+    methods: Iterable[Method | str],
     placement: PlacementLike,
     *,
-    framework: Framework,
-    what: str,
+    framework: Framework | None = None,
+    what: str | None = None,
     owner: object = None,
 ) -> tuple[str, ...]:
     """Runs each method of ``obj`` in ``methods`` inside ``export_placement(placement)``.
 
-    Only this instance changes: its class and every other instance are untouched. Idempotent:
-    a method already placed is not wrapped twice, and calling again updates the placement of all
-    of them. ``owner`` is remembered from the first call (see :func:`methods_owner`). Returns
-    the names now placed.
+    ``methods`` are specs, or bare names (optional methods). Only this instance changes: its
+    class and every other instance are untouched. Idempotent: a method already placed is not
+    wrapped twice, and calling again updates the placement of all of them. ``owner`` is
+    remembered from the first call (see :func:`methods_owner`). ``framework`` and ``what`` name
+    the framework and the object in messages. Returns the names now placed.
 
     Raises:
         ValueError: ``placement`` is not a valid device or ``Placement``.
@@ -322,7 +335,9 @@ def place_methods(
         Nothing is changed in either case.
     """
     resolved = as_placement(placement)
-    present = check_methods(obj, methods, framework, what=what)
+    present = check_methods(
+        obj, as_methods(methods), framework, what=what or type(obj).__qualname__
+    )
     record = _record(obj)
     if record is None:
         record = _Record(resolved, owner)
