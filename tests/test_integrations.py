@@ -547,3 +547,11 @@ def test_resume_initialize_equals_te_initialize_state(
     with export_placement("cpu"):
         _resume.initialize([ours])  # has state now: left alone
     assert ours.param_groups[0].get("step") in (None, 1)
+
+
+def test_place_methods_takes_bare_names_as_optional_methods() -> None:
+    # Main's Megatron integration passes names; a missing one warns instead of passing silently.
+    saver = Saver()
+    with pytest.warns(RuntimeWarning, match=r"Saver has no absent"):
+        assert place_methods(saver, ("save", "absent"), "cpu") == ("save",)
+    assert saver.save(1) == (1, CPU)
