@@ -6,6 +6,9 @@ The framework-specific tests are ``test_integrations_hf.py`` and
 
 from __future__ import annotations
 
+import json
+import os
+import pickle
 import subprocess
 import sys
 import types
@@ -13,13 +16,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+import yaml
 
 from te_ckpt_placement import Placement, current_placement
 from te_ckpt_placement.integrations import automodel
 from te_ckpt_placement.integrations._methods import (
+    Framework,
+    FrameworkMethodError,
+    Method,
+    hook_class_method,
     methods_owner,
     place_methods,
     placed_methods,
+    placement_of,
+    placing,
     unplace_methods,
 )
 
@@ -63,6 +74,8 @@ def test_importing_integrations_imports_no_framework() -> None:
 
 # --- method wrapping ---------------------------------------------------------------------------
 
+FAKE = Framework("FakeFramework", ("fake-framework-not-installed",), tested="1.0")
+
 
 class Saver:
     def save(self, x: int) -> tuple[int, Placement | None]:
@@ -79,6 +92,14 @@ class Saver:
         return current_placement()
 
 
+def specs(*names: str, optional: tuple[str, ...] = ()) -> tuple[Method, ...]:
+    return tuple(Method(n, f"the {n} path", required=n not in optional) for n in names)
+
+
+def place(obj: object, methods: tuple[Method, ...], placement: Any, **kwargs: Any) -> Any:
+    return place_methods(obj, methods, placement, framework=FAKE, what="a saver", **kwargs)
+
+
 def test_place_methods_scopes_exactly_and_restores() -> None:
     saver, bystander = Saver(), Saver()
 
@@ -86,9 +107,10 @@ def test_place_methods_scopes_exactly_and_restores() -> None:
         return "theirs"
 
     saver.load = previous_load  # type: ignore[method-assign]
-    names = place_methods(saver, ("save", "load", "fail", "absent"), "cpu", owner="me")
+    names = place(saver, specs("save", "load", "fail"), "cpu", owner="me")
     assert names == ("save", "load", "fail")
     assert methods_owner(saver) == "me"
+    assert placement_of(saver) == CPU
     assert saver.save(3) == (3, CPU)
     assert saver.load() == "theirs"  # the previous instance attribute, now wrapped
     assert saver.train_step() is None
@@ -96,11 +118,12 @@ def test_place_methods_scopes_exactly_and_restores() -> None:
         saver.fail()
     assert current_placement() is None  # the policy closed although the method raised
     assert bystander.save(1) == (1, None)
+    assert placement_of(bystander) is None
     assert saver.save.__name__ == "save"
 
     wrappers = dict(vars(saver))
     other = Placement(device="cpu", conversion="device")
-    assert place_methods(saver, ("save",), other, owner="someone else") == names
+    assert place(saver, specs("save"), other, owner="someone else") == names
     assert {k: vars(saver)[k] for k in names} == {k: wrappers[k] for k in names}
     assert methods_owner(saver) == "me"
     assert saver.save(4) == (4, other)
@@ -115,7 +138,7 @@ def test_place_methods_scopes_exactly_and_restores() -> None:
 
 def test_unplace_leaves_a_later_replacement() -> None:
     saver = Saver()
-    place_methods(saver, ("save",), "cpu")
+    place(saver, specs("save"), "cpu")
 
     def later(x: int) -> str:
         return "later"
@@ -130,8 +153,91 @@ def test_unplace_leaves_a_later_replacement() -> None:
 def test_place_methods_rejects_bad_placement() -> None:
     saver = Saver()
     with pytest.raises(ValueError, match="unsupported export device"):
-        place_methods(saver, ("save",), "cuda:7")
+        place(saver, specs("save"), "cuda:7")
     assert placed_methods(saver) == () and "save" not in vars(saver)
+
+
+def test_missing_required_method_is_an_error_naming_method_and_version() -> None:
+    saver = Saver()
+    with pytest.raises(FrameworkMethodError) as info:
+        place(saver, specs("save", "absent"), "cpu")
+    message = str(info.value)
+    assert "absent (the absent path)" in message
+    assert "FakeFramework unknown" in message and "FakeFramework 1.0" in message
+    assert placed_methods(saver) == () and "save" not in vars(saver)  # nothing changed
+
+
+def test_missing_optional_method_warns_naming_method_and_version() -> None:
+    saver = Saver()
+    with pytest.warns(RuntimeWarning, match=r"no absent \(the absent path\).*FakeFramework 1.0"):
+        names = place(saver, specs("save", "absent", optional=("absent",)), "cpu")
+    assert names == ("save",)
+    assert saver.save(1) == (1, CPU)
+
+
+def test_around_runs_inside_the_policy_with_the_original() -> None:
+    seen: list[Any] = []
+
+    def around(obj: Any, original: Any, x: int) -> Any:
+        seen.append((obj, current_placement()))
+        return original(x + 1)
+
+    saver = Saver()
+    place(saver, (Method("save", "saving", around=around),), "cpu")
+    assert saver.save(1) == (2, CPU)
+    assert seen == [(saver, CPU)]
+
+
+class Pickled(Saver):
+    """A picklable module-level class, as Lightning strategies are."""
+
+
+def test_placed_instance_survives_pickling() -> None:
+    # Lightning's ddp_spawn and Fabric's spawn launcher pickle the placed strategy.
+    saver = Pickled()
+    place(saver, specs("save", "load"), Placement(device="cpu", conversion="device"))
+    copy = pickle.loads(pickle.dumps(saver))
+    assert placed_methods(copy) == ("save", "load")
+    assert copy.save(2) == (2, Placement(device="cpu", conversion="device"))
+    assert vars(copy)["save"].obj is copy  # bound to the copy, not the original
+    assert unplace_methods(copy)
+    assert copy.save(3) == (3, None)
+    assert saver.save(4) == (4, Placement(device="cpu", conversion="device"))
+
+
+def test_placing_decorator_and_mixin_placement() -> None:
+    @placing(specs("save"))
+    class Mixin:
+        optimizer_export_placement: Any = "cpu"
+
+    class Placed(Mixin, Saver):
+        pass
+
+    placed = Placed()
+    assert placed.save(1) == (1, CPU)
+    assert placed.load() is None
+    assert placement_of(placed) == CPU
+    placed.optimizer_export_placement = None  # TE's own behaviour: an explicit None policy
+    assert placed.save(2) == (2, Placement(device=None))
+    assert Placed.save.__qualname__.endswith("<locals>.Mixin.save")
+    own = type("Own", (), {"save": lambda self: None})
+    with pytest.raises(TypeError, match="already defines save"):
+        placing(specs("save"))(own)
+
+
+def test_hook_class_method_follows_the_instance_policy() -> None:
+    class Target:
+        def __init__(self, placement: Placement | None) -> None:
+            self.placement = placement
+
+        def load(self) -> Placement | None:
+            return current_placement()
+
+    method = Method("load", "loading")
+    assert hook_class_method(Target, method, lambda obj: obj.placement)
+    assert not hook_class_method(Target, method, lambda obj: obj.placement)  # once
+    assert Target(CPU).load() == CPU
+    assert Target(None).load() is None
 
 
 # --- Automodel recipes -------------------------------------------------------------------------
@@ -177,6 +283,42 @@ def test_recipe_mixin_and_factory() -> None:
         automodel.placement_recipe(FakeBaseRecipe, "cuda")
 
 
+def test_recipe_without_a_wrapped_method_is_an_error() -> None:
+    class NoLoad:  # a recipe base of an Automodel version that renamed load_checkpoint
+        def save_checkpoint(self) -> None:
+            pass
+
+    with pytest.raises(FrameworkMethodError, match=r"has no load_checkpoint \(resume"):
+        automodel.placement_recipe(NoLoad)
+
+
+def test_recipe_load_initializes_fresh_te_states_first() -> None:
+    # torch's get/set_optimizer_state_dict (Automodel's load_optimizer) would otherwise run a
+    # fake step with zero gradients on the GPU for a fresh optimizer.
+    from .standin import make_optimizer
+
+    class WithOptimizer(FakeBaseRecipe):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = torch.nn.Linear(4, 3)
+            self.optimizer = [make_optimizer(self.model.parameters())]
+
+        def load_checkpoint(self, restore_from: str | None = None) -> None:
+            self.seen["states_at_load"] = len(self.optimizer[0].state)
+
+    plain = WithOptimizer()
+    plain.load_checkpoint()
+    assert plain.seen["states_at_load"] == 0
+    placed = automodel.placement_recipe(WithOptimizer)()
+    placed.load_checkpoint()
+    assert placed.seen["states_at_load"] == 2
+    states = placed.optimizer[0].state[placed.model.weight]
+    assert set(states) == {"exp_avg", "exp_avg_sq", "master_param"}
+    off = automodel.placement_recipe(WithOptimizer, None)()  # TE's own behaviour
+    off.load_checkpoint()
+    assert off.seen["states_at_load"] == 0
+
+
 def test_ready_made_recipe_is_built_lazily(monkeypatch: pytest.MonkeyPatch) -> None:
     module_name, base_name = automodel.READY_MADE["PlacementFinetuneRecipe"].rsplit(".", 1)
     fake = types.ModuleType(module_name)
@@ -209,3 +351,207 @@ def test_ready_made_recipe_without_automodel(monkeypatch: pytest.MonkeyPatch) ->
     assert "PlacementVLMFinetuneRecipe" not in vars(automodel)
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         _ = automodel.Nope
+
+
+# --- Automodel's launchers: `python -m <recipe module> -c config.yaml` ---------------------------
+
+# NeMo Automodel is not installed here: a stand-in package with the two entry points the
+# launcher path uses (Automodel's argument parser and a recipe class), at the module paths and
+# with the signatures of NVIDIA-NeMo/Automodel at 36044ad3.
+FAKE_AUTOMODEL = {
+    "nemo_automodel/__init__.py": "",
+    "nemo_automodel/components/__init__.py": "",
+    "nemo_automodel/components/config/__init__.py": "",
+    "nemo_automodel/components/config/_arg_parser.py": """
+import yaml
+
+def parse_cli_argv(default_cfg_path=None, argv=None):
+    cfg_path, overrides, i = default_cfg_path, [], 0
+    while i < len(argv):
+        if argv[i] in ("--config", "-c"):
+            cfg_path = argv[i + 1]
+            i += 2
+        elif argv[i].startswith("--"):
+            overrides.append(argv[i][2:] + "=" + argv[i + 1])
+            i += 2
+        else:
+            i += 1
+    if not cfg_path:
+        raise ValueError("You must specify --config <path>")
+    return cfg_path, overrides
+
+def parse_args_and_load_config(default_cfg_path=None, argv=None):
+    cfg_path, overrides = parse_cli_argv(default_cfg_path, argv=argv)
+    with open(cfg_path) as f:
+        cfg = yaml.safe_load(f)
+    for kv in overrides:
+        key, value = kv.split("=", 1)
+        cfg[key] = value
+    return cfg
+""",
+    "nemo_automodel/recipes/__init__.py": "",
+    "nemo_automodel/recipes/llm/__init__.py": "",
+    "nemo_automodel/recipes/llm/train_ft.py": """
+import json
+from te_ckpt_placement import current_placement
+
+class TrainFinetuneRecipeForNextTokenPrediction:
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.events = []
+
+    def setup(self):
+        self.events.append(["setup", current_placement() is not None])
+
+    def save_checkpoint(self, epoch, step, train_loss):
+        self.events.append(["save", repr(current_placement())])
+
+    def load_checkpoint(self, restore_from=None):
+        self.events.append(["load", repr(current_placement())])
+
+    def run_train_validation_loop(self):
+        self.load_checkpoint()
+        self.events.append(["train", current_placement() is not None])
+        self.save_checkpoint(0, 1, 0.5)
+        with open(self.cfg["marker"], "w") as f:
+            json.dump({"recipe": type(self).__name__, "cfg": self.cfg, "events": self.events}, f)
+""",
+}
+
+
+def run_module(tmp_path: Path, argv: list[str], *, fake: bool = True) -> Any:
+    site = tmp_path / "site"
+    if fake:
+        for rel, text in FAKE_AUTOMODEL.items():
+            (site / rel).parent.mkdir(parents=True, exist_ok=True)
+            (site / rel).write_text(text)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(REPO_ROOT)]))
+    return subprocess.run(
+        [sys.executable, *argv],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def write_config(tmp_path: Path, recipe: Any) -> Path:
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        yaml.safe_dump({"recipe": recipe, "marker": str(tmp_path / "ran.json"), "lr": 1})
+    )
+    return config
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        "te_ckpt_placement.integrations.automodel.PlacementFinetuneRecipe",
+        {"_target_": "te_ckpt_placement.integrations.automodel.PlacementFinetuneRecipe"},
+    ],
+)
+def test_nemo_run_module_launch_trains(tmp_path: Path, recipe: Any) -> None:
+    # NeMo-Run's Script(path=<recipe module>, m=True): python -m <module> -c <config> [extra].
+    config = write_config(tmp_path, recipe)
+    module = "te_ckpt_placement.integrations.automodel"
+    out = run_module(tmp_path, ["-m", module, "-c", str(config), "--lr", "2"])
+    assert out.returncode == 0, out.stdout + out.stderr
+    ran = json.loads((tmp_path / "ran.json").read_text())
+    assert ran["recipe"] == "PlacementFinetuneRecipe"
+    assert ran["cfg"]["lr"] == "2"  # the CLI override went through Automodel's parser
+    cpu = repr(CPU)
+    assert ran["events"] == [
+        ["setup", False],
+        ["load", cpu],
+        ["train", False],
+        ["save", cpu],
+    ]
+
+
+def test_module_runs_as_a_script_too(tmp_path: Path) -> None:
+    # Automodel's interactive multi-GPU launch and SkyPilot run the module's file with torchrun.
+    config = write_config(
+        tmp_path, "te_ckpt_placement.integrations.automodel.PlacementFinetuneRecipe"
+    )
+    script = REPO_ROOT / "te_ckpt_placement" / "integrations" / "automodel.py"
+    out = run_module(tmp_path, [str(script), "-c", str(config)])
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert json.loads((tmp_path / "ran.json").read_text())["events"][1] == ["load", repr(CPU)]
+
+
+@pytest.mark.parametrize(
+    ("recipe", "fake", "message"),
+    [
+        ("nemo_automodel.recipes.llm.train_ft.TrainFinetuneRecipeForNextTokenPrediction", True,
+         "not a recipe of this module"),
+        (None, True, "names no recipe"),
+        ("te_ckpt_placement.integrations.automodel.PlacementFinetuneRecipe", False,
+         "needs NeMo Automodel"),
+    ],
+)  # fmt: skip
+def test_module_launch_fails_clearly(tmp_path: Path, recipe: Any, fake: bool, message: str) -> None:
+    config = write_config(tmp_path, recipe)
+    module = "te_ckpt_placement.integrations.automodel"
+    out = run_module(tmp_path, ["-m", module, "-c", str(config)], fake=fake)
+    assert out.returncode != 0
+    assert message in out.stderr, out.stderr
+    assert not (tmp_path / "ran.json").exists()
+
+
+# --- resume: TE's initial states without GPU temporaries -----------------------------------------
+
+
+@pytest.mark.parametrize("master", ["fp32", "remainder", "none"])
+@pytest.mark.parametrize("moments", [torch.bfloat16, torch.float32, torch.float16])
+def test_resume_initialize_equals_te_initialize_state(
+    moments: torch.dtype, master: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The host-built initial states (BF16/FP32 storage) are TE's initialize_state bit for bit;
+    # other storage goes through te_load.initialize_states itself.
+    from te_ckpt_placement import export_placement
+    from te_ckpt_placement.integrations import _resume
+
+    from .helpers import assert_snapshot_equal, snapshot
+    from .standin import make_optimizer
+
+    def build() -> Any:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Linear(4, 3)).to(torch.bfloat16)
+        return make_optimizer(model.parameters(), moments=moments, master=master)
+
+    reference = build()
+    for group in reference.param_groups:
+        for param in group["params"]:
+            reference.initialize_state(param, master == "remainder")
+    ours = build()
+    if moments != torch.float16:  # built on the host, not by TE's initializer (GPU temporaries)
+        from te_ckpt_placement import te_load
+
+        def on_gpu(optimizer: Any) -> bool:
+            raise AssertionError("te_load.initialize_states used for BF16/FP32 storage")
+
+        monkeypatch.setattr(te_load, "initialize_states", on_gpu)
+    _resume.initialize([ours])
+    assert not ours.state  # outside a streaming policy: nothing
+    with export_placement("cpu"):
+        _resume.initialize([ours])
+    assert_snapshot_equal(
+        {i: s for i, s in enumerate(snapshot(ours).values())},
+        {i: s for i, s in enumerate(snapshot(reference).values())},
+    )
+    for p_ours, p_ref in zip(
+        ours.param_groups[0]["params"], reference.param_groups[0]["params"], strict=True
+    ):
+        assert ours._scales.get(p_ours, {}).keys() == reference._scales.get(p_ref, {}).keys()
+    with export_placement("cpu"):
+        _resume.initialize([ours])  # has state now: left alone
+    assert ours.param_groups[0].get("step") in (None, 1)
+
+
+def test_place_methods_takes_bare_names_as_optional_methods() -> None:
+    # Main's Megatron integration passes names; a missing one warns instead of passing silently.
+    saver = Saver()
+    with pytest.warns(RuntimeWarning, match=r"Saver has no absent"):
+        assert place_methods(saver, ("save", "absent"), "cpu") == ("save",)
+    assert saver.save(1) == (1, CPU)

@@ -9,9 +9,15 @@ plain Trainer is the control: there the same exports run with no policy.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
+import types
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +37,8 @@ from te_ckpt_placement.integrations import hf  # noqa: E402
 from te_ckpt_placement.integrations._methods import placed_methods  # noqa: E402
 
 from .integration_probe import CPU, CallLog, ProbeAdamW, adam_steps  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 class TinyRegressor(nn.Module):
@@ -163,7 +171,7 @@ def test_mixin_save_and_resume(tmp_path: Path) -> None:
     assert current_placement() is None
 
     loads = log2.loads()
-    assert len(loads) == 1 and loads[0].called_from("_load_optimizer_and_scheduler"), log2
+    assert len(loads) == 1 and loads[0].called_from("_resume_optimizer_and_scheduler"), log2
     assert loads[0].placement == other
     # Resume happens before on_train_begin, which already sees no policy.
     first_begin = log2.index(log2.of("cb.on_train_begin")[0])
@@ -280,7 +288,7 @@ def test_place_trainer_save_resume_and_unplace(tmp_path: Path) -> None:
     resumed = hf.place_trainer(make_trainer(tmp_path, log2, max_steps=6))
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
     assert [c.placement for c in log2.loads()] == [CPU]
-    assert log2.loads()[0].called_from("_load_optimizer_and_scheduler")
+    assert log2.loads()[0].called_from("_resume_optimizer_and_scheduler")
     assert adam_steps(resumed.optimizer.optimizer) == {6}
     assert_only_io_placed(log2)
 
@@ -307,20 +315,288 @@ def test_place_trainer_rejects_bad_placement(tmp_path: Path) -> None:
     assert placed_methods(trainer) == ()
 
 
-def test_place_trainer_skips_methods_the_version_lacks() -> None:
-    class OldTrainer:  # a Trainer of a version without _tune_save_checkpoint
-        def _save_checkpoint(self, model: Any, trial: Any) -> Any:
-            return current_placement()
+class OldTrainer:
+    """A Trainer of a version without the optional ``_tune_save_checkpoint`` and
+    ``_save_optimizer_and_scheduler``."""
 
-        def _load_optimizer_and_scheduler(self, checkpoint: Any) -> Any:
-            return current_placement()
+    def _save_checkpoint(self, model: Any, trial: Any) -> Any:
+        return current_placement()
 
-    old = hf.place_trainer(OldTrainer())
+    def _load_optimizer_and_scheduler(self, checkpoint: Any) -> Any:
+        return current_placement()
+
+
+def test_place_trainer_warns_about_optional_methods_the_version_lacks() -> None:
+    with pytest.warns(RuntimeWarning) as caught:
+        old = hf.place_trainer(OldTrainer())
+    messages = [str(w.message) for w in caught]
+    version = f"transformers {transformers.__version__}"
+    for name in ("_save_optimizer_and_scheduler", "_tune_save_checkpoint"):
+        assert any(name in m and version in m for m in messages), messages
     assert set(placed_methods(old)) == {"_save_checkpoint", "_load_optimizer_and_scheduler"}
     assert not hasattr(old, "_tune_save_checkpoint")
     assert old._save_checkpoint(None, None) == CPU
     assert old._load_optimizer_and_scheduler("x") == CPU
     assert current_placement() is None
+
+
+def test_place_trainer_without_a_required_method_is_an_error() -> None:
+    class RenamedTrainer(OldTrainer):  # a release that renamed the resume entry point
+        _load_optimizer_and_scheduler = None  # type: ignore[assignment]
+
+    trainer = RenamedTrainer()
+    with pytest.raises(hf.FrameworkMethodError) as info:
+        hf.place_trainer(trainer)
+    message = str(info.value)
+    assert "_load_optimizer_and_scheduler (resume" in message
+    assert f"transformers {transformers.__version__}" in message
+    assert placed_methods(trainer) == ()
+
+
+def test_mixin_import_fails_when_the_trainer_lacks_a_required_method() -> None:
+    # A Transformers release renaming the resume entry point must not turn PlacementTrainer
+    # into a plain Trainer without a word.
+    code = (
+        "import transformers\n"
+        "del transformers.Trainer._load_optimizer_and_scheduler\n"
+        "import te_ckpt_placement.integrations.hf\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO_ROOT,
+        env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode != 0
+    assert "FrameworkMethodError" in out.stderr, out.stderr
+    assert "_load_optimizer_and_scheduler" in out.stderr
+    assert f"transformers {transformers.__version__}" in out.stderr
+
+
+# --- resume: the checkpoint goes to host memory, not onto the GPU -----------------------------
+
+
+def gpu_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Makes TrainingArguments say what they say on rank r of 2 GPU processes."""
+    monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self: 2))
+    monkeypatch.setattr(TrainingArguments, "device", property(lambda self: torch.device("cuda", 0)))
+
+
+@pytest.mark.parametrize("cls", [Trainer, hf.PlacementTrainer])
+def test_resume_reads_optimizer_pt_into_host_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cls: type
+) -> None:
+    # Under DDP on GPUs, Transformers reads optimizer.pt with map_location=args.device: the
+    # whole FP32 checkpoint on every GPU before the optimizer's load runs. The placed resume
+    # maps it into host memory instead and the placed load streams it in.
+    make_trainer(tmp_path, CallLog(), cls=hf.PlacementTrainer).train()
+    log = CallLog()
+    resumed = make_trainer(tmp_path, log, cls=cls)
+    resumed.create_optimizer_and_scheduler(num_training_steps=6)
+    reads: list[tuple[str, Any, Any]] = []
+    real_load = torch.load
+
+    def spy(f: Any, *args: Any, **kwargs: Any) -> Any:
+        reads.append((os.path.basename(str(f)), kwargs.get("map_location"), kwargs.get("mmap")))
+        kwargs["map_location"] = "cpu"  # no GPU here: only the request is under test
+        return real_load(f, *args, **kwargs)
+
+    gpu_ranks(monkeypatch)
+    monkeypatch.setattr(torch, "load", spy)
+    resumed._load_optimizer_and_scheduler(str(tmp_path / "checkpoint-4"))
+    monkeypatch.undo()
+
+    optimizer_reads = [r for r in reads if r[0] == "optimizer.pt"]
+    assert len(optimizer_reads) == 1, reads
+    if cls is Trainer:  # the control: Transformers' own request
+        assert optimizer_reads[0][1] == torch.device("cuda", 0)
+        assert [c.placement for c in log.loads()] == [None]
+    else:
+        assert optimizer_reads[0][1:] == ("cpu", True)
+        assert [c.placement for c in log.loads()] == [CPU]
+    assert [r[0] for r in reads].count("scheduler.pt") == 1
+    assert adam_steps(resumed.optimizer) == {4}
+
+
+def test_resume_with_placement_none_is_transformers_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    make_trainer(tmp_path, CallLog(), cls=hf.PlacementTrainer).train()
+    log = CallLog()
+    resumed = make_trainer(tmp_path, log, cls=hf.PlacementTrainer)
+    resumed.optimizer_export_placement = None
+    resumed.create_optimizer_and_scheduler(num_training_steps=6)
+    reads: list[Any] = []
+    real_load = torch.load
+
+    def spy(f: Any, *args: Any, **kwargs: Any) -> Any:
+        reads.append(kwargs.get("map_location"))
+        kwargs["map_location"] = "cpu"
+        return real_load(f, *args, **kwargs)
+
+    gpu_ranks(monkeypatch)
+    monkeypatch.setattr(torch, "load", spy)
+    resumed._load_optimizer_and_scheduler(str(tmp_path / "checkpoint-4"))
+    monkeypatch.undo()
+    assert reads[0] == torch.device("cuda", 0)
+    assert [c.placement for c in log.loads()] == [Placement(device=None)]
+
+
+# --- resume under accelerate FSDP2, on 2 CPU ranks ---------------------------------------------
+
+
+def fsdp2_rank(rank: int, port: int, out: str, state_dict_type: str) -> None:
+    """Saves with accelerate's save_fsdp_optimizer, then resumes three ways and compares."""
+    import torch.distributed as dist
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import load_fsdp_optimizer, save_fsdp_optimizer
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from te_ckpt_placement import te_hooks
+    from te_ckpt_placement.integrations import _resume
+
+    from .helpers import bits, local
+    from .standin import StandInFusedAdam, make_optimizer, train
+
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    from accelerate import PartialState
+
+    PartialState(cpu=True)  # accelerate's logging needs it
+    te_hooks.patch_class(StandInFusedAdam)
+    results: dict[str, Any] = {}
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=state_dict_type)
+        accelerator = types.SimpleNamespace(process_index=rank, wait_for_everyone=dist.barrier)
+
+        def build() -> tuple[Any, Any, Any]:
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(
+                torch.nn.Linear(8, 6), torch.nn.Linear(6, 5), torch.nn.Linear(5, 3)
+            ).to(torch.bfloat16)
+            for layer in model:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            optimizer = make_optimizer(model.parameters())
+            steps: list[int] = []
+
+            def counted(self: Any, closure: Any = None) -> Any:
+                steps.append(1)
+                return StandInFusedAdam.step(self, closure)
+
+            optimizer.step = types.MethodType(counted, optimizer)  # type: ignore[method-assign]
+            # As in the Trainer: the scheduler exists before a save and before a resume.
+            optimizer.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+            return model, optimizer, steps
+
+        def fingerprint(optimizer: Any) -> list[tuple[str, torch.Tensor]]:
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            return [
+                (f"{i}.{name}", bits(local(value)))
+                for i, p in enumerate(params)
+                for name, value in sorted(optimizer.state[p].items())
+            ]
+
+        def differing(ours: list[Any], ref: list[Any]) -> list[str]:
+            """The states that differ (all of them when the lists do not line up)."""
+            if [k for k, _ in ours] != [k for k, _ in ref]:
+                return [k for k, _ in ref]
+            return [k for (k, a), (_, b) in zip(ours, ref, strict=True) if not torch.equal(a, b)]
+
+        model, optimizer, _ = build()
+        train(optimizer, steps=2)
+        ckpt = Path(out) / "checkpoint"
+        save_fsdp_optimizer(plugin, accelerator, optimizer, model, str(ckpt))
+        if rank == 0:
+            torch.save(optimizer.scheduler.state_dict(), ckpt / "scheduler.pt")
+        dist.barrier()
+        saved = fingerprint(optimizer)
+
+        # accelerate's own load (what Transformers runs without the integration)
+        model, optimizer, steps = build()
+        load_fsdp_optimizer(plugin, accelerator, optimizer, model, str(ckpt))
+        results["plain_steps"] = len(steps)
+        plain = fingerprint(optimizer)
+
+        def fake_trainer(model: Any, optimizer: Any) -> Any:
+            state = types.SimpleNamespace(fsdp_plugin=plugin)
+            return types.SimpleNamespace(
+                model=model,
+                optimizer=optimizer,
+                lr_scheduler=optimizer.scheduler,
+                accelerator=types.SimpleNamespace(state=state),
+                is_fsdp_enabled=True,
+                is_deepspeed_enabled=False,
+            )
+
+        called: list[str] = []
+
+        def original(checkpoint: str) -> None:  # Transformers' FSDP branch
+            called.append(checkpoint)
+            load_fsdp_optimizer(plugin, accelerator, optimizer, model, checkpoint)
+
+        model, optimizer, steps = build()
+        with export_placement("cpu"):
+            hf._resume_optimizer_and_scheduler(fake_trainer(model, optimizer), original, str(ckpt))
+        results["placed_steps"] = len(steps)
+        results["placed_equal_plain"] = differing(fingerprint(optimizer), plain) or True
+        results["plain_equal_saved"] = differing(plain, saved) or True
+        results["original_called"] = len(called)
+
+        if state_dict_type == "FULL_STATE_DICT":
+            # A rank that cannot read optimizer.bin: accelerate's broadcast load, with a warning.
+            model, optimizer, steps = build()
+            real_access = _resume.os.access
+            _resume.os.access = lambda path, mode: rank == 0 and real_access(path, mode)
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    with export_placement("cpu"):
+                        hf._resume_optimizer_and_scheduler(
+                            fake_trainer(model, optimizer), original, str(ckpt)
+                        )
+            finally:
+                _resume.os.access = real_access
+            results["fallback_original_called"] = len(called) - results["original_called"]
+            results["fallback_warned"] = any("cannot read" in str(w.message) for w in caught)
+            results["fallback_equal_plain"] = differing(fingerprint(optimizer), plain) or True
+        Path(f"{out}/rank{rank}.json").write_text(json.dumps(results))
+    finally:
+        te_hooks.unpatch_class(StandInFusedAdam)
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("state_dict_type", ["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
+def test_fsdp2_resume_matches_accelerate_without_fake_step(
+    tmp_path: Path, state_dict_type: str
+) -> None:
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    mp.spawn(fsdp2_rank, args=(port, str(tmp_path), state_dict_type), nprocs=2, join=True)
+    for rank in range(2):
+        results = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert results["plain_equal_saved"] is True, results
+        assert results["plain_steps"] == 1  # torch's fake step on a fresh optimizer
+        assert results["placed_steps"] == 0, results  # TE's states built directly instead
+        assert results["placed_equal_plain"] is True, results
+        assert results["original_called"] == 0  # our host-side load, not accelerate's
+        if state_dict_type == "FULL_STATE_DICT":
+            assert results["fallback_warned"] is True, results
+            assert results["fallback_original_called"] == 1, results
+            assert results["fallback_equal_plain"] is True, results
 
 
 # --- the decorator -----------------------------------------------------------------------------

@@ -10,6 +10,7 @@ is the control: there the same exports run with no policy.
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,9 @@ from torch.utils.data import DataLoader, TensorDataset
 pl = pytest.importorskip("lightning.pytorch")
 
 from lightning.fabric import Fabric  # noqa: E402
+from lightning.fabric.strategies import (  # noqa: E402
+    SingleDeviceStrategy as FabricSingleDeviceStrategy,
+)
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint  # noqa: E402
 from lightning.pytorch.strategies import SingleDeviceStrategy  # noqa: E402
 
@@ -377,3 +381,208 @@ def test_pytorch_lightning_build(tmp_path: Path) -> None:
     assert set(placed_methods(trainer.strategy)) == set(TRAINER_METHODS)
     callback.teardown(trainer, None, "fit")
     assert_unplaced(trainer.strategy)
+
+
+# --- pickling: ddp_spawn ------------------------------------------------------------------------
+
+
+class SpawnModule(TinyModule):
+    """Writes, per rank, the policy of every checkpoint export and load it saw."""
+
+    def __init__(self, log: CallLog, out: str, tag: str) -> None:
+        super().__init__(log)
+        self.out = out
+        self.tag = tag
+
+    def on_fit_end(self) -> None:
+        record = {
+            "exports": [repr(c.placement) for c in self.probe_log.exports()],
+            "loads": [repr(c.placement) for c in self.probe_log.loads()],
+            "steps": [repr(c.placement) for c in self.probe_log.of("step")],
+        }
+        Path(self.out, f"{self.tag}-rank{self.global_rank}.json").write_text(json.dumps(record))
+
+
+def spawn_fit(out: Path, tag: str, ckpt_path: Path | None, max_steps: int) -> None:
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=out,
+        callbacks=[
+            ModelCheckpoint(dirpath=out, filename="{step}", every_n_train_steps=2, save_top_k=-1)
+        ],
+    )
+    tl.place_strategy(trainer.strategy)  # before fit: the spawn pickles the placed strategy
+    torch.manual_seed(0)
+    module = SpawnModule(CallLog(), str(out), tag)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, ckpt_path=None if ckpt_path is None else str(ckpt_path))
+
+
+def test_place_strategy_survives_ddp_spawn(tmp_path: Path) -> None:
+    spawn_fit(tmp_path, "fit", None, max_steps=2)
+    spawn_fit(tmp_path, "resume", tmp_path / "step=2.ckpt", max_steps=3)
+    cpu = repr(CPU)
+    for rank in range(2):
+        fit = json.loads((tmp_path / f"fit-rank{rank}.json").read_text())
+        assert fit["exports"] == [cpu], fit  # Lightning exports on every rank
+        assert fit["steps"] == [repr(None)] * 2
+        resume = json.loads((tmp_path / f"resume-rank{rank}.json").read_text())
+        assert resume["loads"] == [cpu], resume
+        assert resume["steps"] == [repr(None)]
+
+
+# --- resume reads the checkpoint into host memory -----------------------------------------------
+
+
+def test_callback_resume_reads_checkpoint_into_host_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Lightning's TorchCheckpointIO keeps each tensor on the device it was saved from (the model
+    # weights, and a TE export made without the policy, come back onto the GPU until
+    # resume_end). Under the callback the file is read with map_location="cpu".
+    fit(make_trainer(tmp_path, CallLog(), callbacks=[tl.PlacementCallback()]), CallLog())
+    requests: list[Any] = []
+    real_load = torch.load
+
+    def spy(f: Any, *args: Any, **kwargs: Any) -> Any:
+        requests.append((kwargs.get("map_location"), kwargs.get("mmap")))
+        return real_load(f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", spy)
+    for callbacks, expected in (([], None), ([tl.PlacementCallback()], "cpu")):
+        del requests[:]
+        log = CallLog()
+        trainer = make_trainer(tmp_path / "r", log, max_steps=6, callbacks=callbacks)
+        module = fit(trainer, log, ckpt_path=tmp_path / "step=4.ckpt")
+        assert len(requests) == 1, requests
+        if expected is None:  # the control: Lightning's own identity map_location
+            assert callable(requests[0][0])
+        else:
+            assert requests[0][0] == "cpu"
+            assert not requests[0][1]  # memory-mapped only for a GPU root device
+        assert adam_steps(module.optimizers().optimizer) == {6}
+    strategy = trainer.strategy
+    assert "load_checkpoint" not in vars(strategy.checkpoint_io)  # restored after the read
+
+
+def test_host_reads_map_files_for_gpu_training_and_unwrap_async_io(tmp_path: Path) -> None:
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+
+    from te_ckpt_placement.integrations._lightning import _reading_to_host, _stock_torch_io
+
+    path = tmp_path / "c.ckpt"
+    torch.save({"w": torch.arange(6.0)}, path)
+    strategy = SingleDeviceStrategy(device="cpu")
+    assert type(_stock_torch_io(strategy)) is TorchCheckpointIO
+    strategy.checkpoint_io = AsyncCheckpointIO()
+    io = _stock_torch_io(strategy)
+    assert type(io) is TorchCheckpointIO and io is strategy.checkpoint_io.checkpoint_io
+    with _reading_to_host(io, mmap=True):
+        loaded = strategy.checkpoint_io.load_checkpoint(path)
+    assert torch.equal(loaded["w"], torch.arange(6.0))
+    # mmap'd: the tensor's storage is a view of the file, not fresh memory.
+    assert loaded["w"].untyped_storage().nbytes() <= path.stat().st_size
+    assert "load_checkpoint" not in vars(io)
+
+    class Custom(TorchCheckpointIO):
+        def load_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+            return super().load_checkpoint(*args, **kwargs)
+
+    strategy.checkpoint_io = Custom()
+    assert _stock_torch_io(strategy) is None  # a user's own IO is left alone
+
+
+# --- Fabric: the optimizer's own load, and the strategy mixin ------------------------------------
+
+
+def test_fabric_optimizer_load_state_dict_is_placed(tmp_path: Path) -> None:
+    log = CallLog()
+    fabric, _, optimizer = fabric_run(log, steps=2)
+    state = optimizer.state_dict()  # unplaced strategy: the control
+    optimizer.load_state_dict(state)
+    tl.place_strategy(fabric.strategy)
+    state = optimizer.state_dict()
+    optimizer.load_state_dict(state)  # calls the raw optimizer, bypassing the strategy
+    assert [c.placement for c in log.exports()] == [None, CPU]
+    assert [c.placement for c in log.loads()] == [None, CPU]
+    assert tl.strategy_placement(fabric.strategy) == CPU
+    tl.unplace_strategy(fabric.strategy)
+    optimizer.load_state_dict(state)
+    assert log.loads()[-1].placement is None
+    assert current_placement() is None
+
+
+class PlacementFabricSingle(tl.PlacementStrategyMixin, FabricSingleDeviceStrategy):
+    pass
+
+
+def test_strategy_mixin_on_fabric_places_optimizer_state_dict(tmp_path: Path) -> None:
+    log = CallLog()
+    fabric = Fabric(strategy=PlacementFabricSingle(device=torch.device("cpu")))
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    model, optimizer = fabric.setup(model, ProbeAdamW(model.parameters(), log, lr=1e-2))
+    fabric.backward(model(torch.randn(2, 4)).square().mean())
+    optimizer.step()
+    state = {"model": model, "optimizer": optimizer}
+    fabric.save(tmp_path / "a.ckpt", state)
+    exported = optimizer.state_dict()  # through the strategy's get_optimizer_state
+    optimizer.load_state_dict(exported)
+    fabric.load(tmp_path / "a.ckpt", state)
+    assert [c.placement for c in log.exports()] == [CPU, CPU]
+    assert [c.placement for c in log.loads()] == [CPU, CPU]
+    assert [c.placement for c in log.of("step")] == [None]
+    assert current_placement() is None
+
+
+def test_strategy_missing_a_method_is_an_error() -> None:
+    class Renamed(SingleDeviceStrategy):  # a release that renamed the resume method
+        load_optimizer_state_dict = None  # type: ignore[assignment]
+
+    with pytest.raises(tl.FrameworkMethodError) as info:
+
+        class Placed(tl.PlacementStrategyMixin, Renamed):
+            pass
+
+    message = str(info.value)
+    assert "load_optimizer_state_dict (resume" in message
+    assert "Lightning" in message and pl.__version__ in message
+    strategy = Renamed(device="cpu")
+    with pytest.raises(tl.FrameworkMethodError, match="load_optimizer_state_dict"):
+        tl.place_strategy(strategy)
+    assert placed_methods(strategy) == ()
+    with pytest.raises(TypeError, match="Lightning Trainer strategy"):
+        tl.place_strategy(object())
+
+
+def test_state_dict_api_strategies_get_te_states_before_loading(tmp_path: Path) -> None:
+    # FSDP/ModelParallel load_checkpoint runs torch's get/set_optimizer_state_dict, whose fake
+    # step on a fresh optimizer puts zero gradients for every parameter on the GPU.
+    from .standin import make_optimizer
+
+    class ModelParallelStrategy(FabricSingleDeviceStrategy):  # named like Lightning's
+        pass
+
+    model = nn.Linear(4, 3)
+    optimizer = make_optimizer(model.parameters())
+    torch.save({"step": 1}, tmp_path / "c.ckpt")
+    strategy = ModelParallelStrategy(device=torch.device("cpu"))
+    seen: list[int] = []
+    real = strategy.checkpoint_io.load_checkpoint
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.append(len(optimizer.state))
+        return real(*args, **kwargs)
+
+    strategy.checkpoint_io.load_checkpoint = spy  # a user's own load: left alone
+    strategy.load_checkpoint(tmp_path / "c.ckpt", state={"optimizer": optimizer}, strict=False)
+    tl.place_strategy(strategy)
+    strategy.load_checkpoint(tmp_path / "c.ckpt", state={"optimizer": optimizer}, strict=False)
+    assert seen == [0, 2]  # no states before; TE's initial states before the placed read

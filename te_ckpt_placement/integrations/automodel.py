@@ -12,24 +12,51 @@ Two YAML routes, usable together:
 - the recipe, ``recipe: te_ckpt_placement.integrations.automodel.PlacementFinetuneRecipe``:
   ``save_checkpoint`` and ``load_checkpoint`` run inside ``export_placement``, which covers the
   ``Checkpointer.save_optimizer``/``load_optimizer`` calls they make (the load builds its DCP
-  template with ``optimizer.state_dict()``) for a plain TE ``_target_`` optimizer too.
+  template with ``optimizer.state_dict()``) for a plain TE ``_target_`` optimizer too. Before a
+  load, fresh TE optimizers get their states directly, so torch skips its fake step.
 
-Automodel's CLI resolves a dotted ``recipe:`` with ``importlib.import_module`` + ``getattr``
-when it runs the recipe in-process (one device, or under ``torchrun -m nemo_automodel.cli.app``).
-Its own multi-GPU launch instead runs the recipe's module file as a script, which this module
-is not: launch multi-GPU jobs with ``torchrun --nproc-per-node N -m nemo_automodel.cli.app
-config.yaml``.
+Launchers. Automodel's CLI resolves a dotted ``recipe:`` with ``importlib.import_module`` +
+``getattr`` when it runs the recipe in-process (one device, or under ``torchrun -m
+nemo_automodel.cli.app``). NeMo-Run instead runs ``python -m <recipe module> -c config.yaml``:
+this module then runs the recipe the YAML names (:func:`main`), as Automodel's own recipe
+modules do. Automodel's interactive multi-GPU launch and SkyPilot run the module's *file* with
+torchrun; that works when te_ckpt_placement is installed into the same ``site-packages`` as
+``nemo_automodel`` (not as an editable install), otherwise use ``torchrun --nproc-per-node N -m
+nemo_automodel.cli.app config.yaml``.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
-from ..policy import as_placement, export_placement
-from ._methods import PlacementLike
+# Absolute imports: the module also runs as a script (Automodel's torchrun launchers).
+from te_ckpt_placement.integrations import _resume
+from te_ckpt_placement.integrations._methods import (
+    Framework,
+    FrameworkMethodError,
+    Method,
+    PlacementLike,
+    check_methods,
+    placing,
+)
+from te_ckpt_placement.policy import as_placement
 
-__all__ = ["READY_MADE", "PlacementRecipeMixin", "placement_recipe"]
+__all__ = [
+    "AUTOMODEL",
+    "READY_MADE",
+    "FrameworkMethodError",
+    "PlacementRecipeMixin",
+    "main",
+    "placement_recipe",
+]
+
+MODULE = "te_ckpt_placement.integrations.automodel"
+# The framework as error messages name it, with the source this integration was written against.
+AUTOMODEL = Framework(
+    "NeMo Automodel", ("nemo_automodel", "nemo-automodel"), tested="at commit 36044ad3 (source)"
+)
 
 # Ready-made recipe classes: name here -> the Automodel recipe it extends (NVIDIA-NeMo/Automodel
 # at 36044ad3: both inherit BaseRecipe.save_checkpoint/load_checkpoint).
@@ -41,27 +68,47 @@ READY_MADE = {
 }
 
 
+def _recipe_optimizers(recipe: Any) -> list[Any]:
+    # Automodel recipes keep their optimizers in attributes (`self.optimizer`, a list).
+    found: list[Any] = []
+    for value in vars(recipe).values():
+        found += _resume.optimizers_in(value)
+    return found
+
+
+def _load_checkpoint(recipe: Any, original: Any, *args: Any, **kwargs: Any) -> Any:
+    """``BaseRecipe.load_checkpoint`` with fresh TE optimizers' states built first."""
+    _resume.initialize(_recipe_optimizers(recipe))
+    return original(*args, **kwargs)
+
+
+METHODS = (
+    Method("save_checkpoint", "every recipe checkpoint save (model, optimizer, scheduler)"),
+    Method(
+        "load_checkpoint",
+        "resume: Checkpointer.load_model and load_optimizer",
+        around=_load_checkpoint,
+    ),
+)
+
+
+@placing(METHODS)
 class PlacementRecipeMixin:
     """Runs a recipe's ``save_checkpoint`` and ``load_checkpoint`` inside ``export_placement``.
 
     ``class MyRecipe(PlacementRecipeMixin, TrainFinetuneRecipeForNextTokenPrediction): ...``.
     The whole save is in scope (model, optimizer, scheduler); the policy only changes TE
     ``FusedAdam`` exports and imports, which Automodel builds synchronously before any async
-    DCP staging, so the training steps never run under it.
+    DCP staging, so the training steps never run under it. ``load_checkpoint`` first gives
+    fresh TE optimizers their initial states, so torch's ``get_optimizer_state_dict`` skips its
+    fake step on the GPU.
 
     Attributes:
-        optimizer_export_placement: ``"cpu"`` by default, or a ``Placement``.
+        optimizer_export_placement: ``"cpu"`` by default, or a ``Placement``; ``None`` runs
+            Automodel's own saves and loads.
     """
 
     optimizer_export_placement: PlacementLike = "cpu"
-
-    def save_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
-        with export_placement(as_placement(self.optimizer_export_placement)):
-            return super().save_checkpoint(*args, **kwargs)  # type: ignore[misc]
-
-    def load_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
-        with export_placement(as_placement(self.optimizer_export_placement)):
-            return super().load_checkpoint(*args, **kwargs)  # type: ignore[misc]
 
 
 def placement_recipe(
@@ -69,10 +116,17 @@ def placement_recipe(
 ) -> type:
     """A subclass of the recipe class ``base`` with :class:`PlacementRecipeMixin` in front.
 
+    Args:
+        base: an Automodel recipe class (``save_checkpoint`` and ``load_checkpoint``).
+        placement: its ``optimizer_export_placement``.
+        name: the new class's name; ``"Placement" + base.__name__`` by default.
+
     Raises:
         ValueError: ``placement`` is not a valid device or ``Placement``.
+        FrameworkMethodError: ``base`` lacks ``save_checkpoint`` or ``load_checkpoint``.
     """
     resolved = as_placement(placement)
+    check_methods(base, METHODS, AUTOMODEL, what=f"recipe {base.__qualname__}")
     return type(
         name or f"Placement{base.__name__}",
         (PlacementRecipeMixin, base),
@@ -80,19 +134,89 @@ def placement_recipe(
     )
 
 
-def __getattr__(name: str) -> Any:
-    target = READY_MADE.get(name)
-    if target is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def _ready_made(name: str) -> type:
+    target = READY_MADE[name]
     module_name, base_name = target.rsplit(".", 1)
     try:
         base = getattr(importlib.import_module(module_name), base_name)
     except ImportError as exc:
         raise ImportError(
-            f"{__name__}.{name} extends {target}, which needs NeMo Automodel "
+            f"{MODULE}.{name} extends {target}, which needs NeMo Automodel "
             f"(pip install nemo-automodel): {exc}"
         ) from exc
     cls = placement_recipe(base, name=name)
-    cls.__module__ = __name__
+    cls.__module__ = MODULE
+    return cls
+
+
+def __getattr__(name: str) -> Any:
+    if name not in READY_MADE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    cls = _ready_made(name)
     globals()[name] = cls  # built once: the same class on every lookup
     return cls
+
+
+def _recipe_name(config_path: str) -> str:
+    """The ready-made recipe the YAML's ``recipe:`` names (a dotted path or a bare name)."""
+    import yaml
+
+    with open(config_path) as f:
+        config = yaml.safe_load(f) or {}
+    raw = config.get("recipe")
+    if isinstance(raw, dict):
+        raw = raw.get("_target_")
+    names = ", ".join(f"{MODULE}.{n}" for n in READY_MADE)
+    if not isinstance(raw, str) or not raw.strip():
+        raise SystemExit(
+            f"{config_path} names no recipe: `python -m {MODULE}` runs a recipe of this module; "
+            f"set `recipe:` to one of {names}"
+        )
+    raw = raw.strip()
+    module, _, name = raw.rpartition(".")
+    if name not in READY_MADE or module not in ("", MODULE):
+        raise SystemExit(
+            f"{config_path} names recipe {raw!r}, which is not a recipe of this module: "
+            f"`python -m {MODULE}` runs one of {names}. Run other recipes through their own "
+            "module or `automodel config.yaml`."
+        )
+    return name
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the ready-made recipe a YAML config names, as Automodel's recipe modules do.
+
+    This is what ``python -m te_ckpt_placement.integrations.automodel -c config.yaml
+    [--dotted.key value ...]`` runs (NeMo-Run's launch): Automodel's own argument parser reads
+    the config and the overrides, then the recipe's ``setup()`` and
+    ``run_train_validation_loop()`` run. Returns 0 once training finished.
+
+    Raises:
+        SystemExit: NeMo Automodel is not installed, ``--config`` is missing, or the config's
+            ``recipe:`` is not one of :data:`READY_MADE` (never a silent exit 0).
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        from nemo_automodel.components.config._arg_parser import (
+            parse_args_and_load_config,
+            parse_cli_argv,
+        )
+    except ImportError as exc:
+        raise SystemExit(
+            f"python -m {MODULE} runs a NeMo Automodel recipe and needs NeMo Automodel "
+            f"(pip install nemo-automodel): {exc}"
+        ) from exc
+    try:
+        config_path, _ = parse_cli_argv(None, argv=argv)
+    except ValueError as exc:
+        raise SystemExit(f"python -m {MODULE} -c config.yaml: {exc}") from exc
+    recipe_cls = getattr(importlib.import_module(MODULE), _recipe_name(config_path))
+    config = parse_args_and_load_config(config_path, argv=argv)
+    recipe = recipe_cls(config)
+    recipe.setup()
+    recipe.run_train_validation_loop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -7,13 +7,24 @@ standalone ``pytorch_lightning`` package use
 Lightning collects optimizer state (``trainer.strategy.optimizer_state``) inside
 ``dump_checkpoint`` before ``Callback.on_save_checkpoint`` runs, and a ``CheckpointIO`` only sees
 the finished dict, so neither can scope the export. :class:`PlacementCallback` instead wraps the
-strategy's optimizer export and load methods from ``setup`` to ``teardown``::
+strategy's optimizer export and load methods (:data:`TRAINER_METHODS`) from ``setup`` to
+``teardown``::
 
     trainer = Trainer(callbacks=[PlacementCallback()])
     trainer.fit(model, ckpt_path="last")  # resume and every save stream to host memory
 
-Fabric: ``with export_placement("cpu"): fabric.save(path, state)`` (the decorator works too), or
-``place_strategy(fabric.strategy)`` once.
+Resume leaves nothing but the optimizer's own states on the GPU: the placed ``load_checkpoint``
+reads the checkpoint file into host memory (``map_location="cpu"``, memory-mapped when training
+on a GPU), where Lightning would otherwise put every tensor back on the device it was saved
+from until the resume ends, and the placed optimizer load streams each state in.
+
+Fabric: ``place_strategy(fabric.strategy)`` once places ``fabric.save``, ``fabric.load``,
+``fabric.load_raw`` and the ``state_dict()``/``load_state_dict()`` of the optimizers Fabric set
+up; or ``with export_placement("cpu"): fabric.save(path, state)`` (the decorator works too)
+around single calls.
+
+A strategy method that the installed Lightning lacks raises :class:`FrameworkMethodError`
+naming it and the Lightning version, instead of leaving that path unplaced.
 """
 
 from __future__ import annotations
@@ -21,18 +32,26 @@ from __future__ import annotations
 from lightning.pytorch import Callback
 
 from ._lightning import (
+    FABRIC_METHODS,
     STRATEGY_METHODS,
+    TRAINER_METHODS,
+    FrameworkMethodError,
     PlacementCallbackLogic,
     PlacementStrategyMixin,
     place_strategy,
+    strategy_placement,
     unplace_strategy,
 )
 
 __all__ = [
+    "FABRIC_METHODS",
     "STRATEGY_METHODS",
+    "TRAINER_METHODS",
+    "FrameworkMethodError",
     "PlacementCallback",
     "PlacementStrategyMixin",
     "place_strategy",
+    "strategy_placement",
     "unplace_strategy",
 ]
 
@@ -41,13 +60,17 @@ class PlacementCallback(PlacementCallbackLogic, Callback):
     """Optimizer exports and loads of the Trainer's strategy run inside ``export_placement``.
 
     Installed in ``setup``, removed in ``teardown`` (see :class:`PlacementCallbackLogic` for
-    the exact rules: idempotent, per strategy, restores exactly the original methods).
+    the exact rules: idempotent, per strategy, restores exactly the original methods). The
+    wrapped methods are :data:`TRAINER_METHODS`; resume reads the checkpoint file into host
+    memory. The callback pickles with the Trainer (``ddp_spawn``).
 
     Args:
         placement: ``"cpu"`` (default) or a ``Placement``.
 
     Raises:
-        ValueError: ``placement`` is not a valid device or ``Placement``.
+        ValueError: ``placement`` is not a valid device or ``Placement`` (at construction).
+        FrameworkMethodError: in ``setup``, when the installed Lightning's strategy lacks a
+            method the integration wraps; nothing is changed.
 
     Example:
         >>> trainer = Trainer(callbacks=[PlacementCallback()])  # doctest: +SKIP

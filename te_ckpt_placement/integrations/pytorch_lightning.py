@@ -11,25 +11,39 @@ from __future__ import annotations
 from pytorch_lightning import Callback
 
 from ._lightning import (
+    FABRIC_METHODS,
     STRATEGY_METHODS,
+    TRAINER_METHODS,
+    FrameworkMethodError,
     PlacementCallbackLogic,
     PlacementStrategyMixin,
     place_strategy,
+    strategy_placement,
     unplace_strategy,
 )
 
 __all__ = [
+    "FABRIC_METHODS",
     "STRATEGY_METHODS",
+    "TRAINER_METHODS",
+    "FrameworkMethodError",
     "PlacementCallback",
     "PlacementStrategyMixin",
     "place_strategy",
+    "strategy_placement",
     "unplace_strategy",
 ]
 
 
 class PlacementCallback(PlacementCallbackLogic, Callback):
-    """The ``pytorch_lightning`` build of ``integrations.lightning.PlacementCallback``.
+    """The ``pytorch_lightning`` build of ``integrations.lightning.PlacementCallback``: the same
+    behaviour, for a ``pytorch_lightning.Trainer``.
 
     Args:
         placement: ``"cpu"`` (default) or a ``Placement``.
+
+    Raises:
+        ValueError: ``placement`` is not a valid device or ``Placement`` (at construction).
+        FrameworkMethodError: in ``setup``, when the strategy lacks a method the integration
+            wraps.
     """

@@ -1,0 +1,280 @@
+"""What a placed resume does besides running under the policy (no framework imports).
+
+A streaming policy makes TE FusedAdam's ``load_state_dict`` take each state from host memory
+one at a time. The framework around it can still put the checkpoint on the GPU first (a
+``torch.load`` with a device ``map_location``, a checkpoint kept on the device it was saved
+from), or run torch's fake optimizer step before a distributed load. These helpers are the
+integrations' answers:
+
+- :func:`host_load`: ``torch.load`` into host memory, memory-mapped where torch allows;
+- :func:`initialize`: TE's initial states built directly, so torch's
+  ``get_optimizer_state_dict``/``set_optimizer_state_dict`` skip their fake step (zero
+  gradients for every parameter plus the step's temporaries, all on the GPU);
+- :func:`host_group`, :func:`load_sharded` and :func:`load_full`: an FSDP2 optimizer load
+  whose collectives and data stay in host memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from ..policy import current_placement
+
+__all__ = [
+    "host_group",
+    "host_load",
+    "initialize",
+    "load_full",
+    "load_sharded",
+    "optimizers_in",
+    "streaming",
+]
+
+
+def streaming() -> bool:
+    """True inside a policy that streams (``export_placement("cpu")``)."""
+    placement = current_placement()
+    return placement is not None and placement.streams
+
+
+def host_load(path: str | os.PathLike[str], *, mmap: bool, weights_only: bool | None = True) -> Any:
+    """``torch.load(path)`` into host memory.
+
+    With ``mmap``, tensors are views of the file mapped into memory: the streaming load reads
+    each state from there, so the checkpoint is never copied into fresh host memory as a whole.
+    A file in torch's legacy (non-zip) format cannot be mapped and is read normally.
+    """
+    if mmap:
+        try:
+            return torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+        except RuntimeError as exc:
+            if "mmap" not in str(exc):
+                raise
+    return torch.load(path, map_location="cpu", weights_only=weights_only)
+
+
+def _unwrap(optimizer: Any) -> Any:
+    # accelerate's AcceleratedOptimizer and Fabric's wrapper expose `.optimizer`; Lightning's
+    # LightningOptimizer `._optimizer`.
+    for _ in range(8):
+        inner = getattr(optimizer, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):
+            inner = getattr(optimizer, "_optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer) or inner is optimizer:
+            return optimizer
+        optimizer = inner
+    return optimizer
+
+
+def optimizers_in(value: Any) -> list[Any]:
+    """The optimizers in ``value``: an optimizer, or a mapping/sequence holding some."""
+    if isinstance(value, torch.optim.Optimizer):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, torch.optim.Optimizer)]
+    return []
+
+
+def initialize(optimizers: Iterable[Any]) -> None:
+    """Gives each fresh TE FusedAdam in ``optimizers`` its initial states, inside a streaming
+    policy only.
+
+    torch then skips its fake step. The states are TE's own initial values (zero moments,
+    masters copied from the parameters, the group's step counted), built without GPU
+    temporaries where TE keeps BF16/FP32 states (:func:`_initialize_through_host`), else by
+    :func:`te_ckpt_placement.te_load.initialize_states`. Optimizers that are not TE FusedAdam,
+    or that already have state or gradients, are left alone (torch's own behaviour applies).
+    """
+    if not streaming():
+        return
+    from ..te_contract import ContractError, check_contract
+    from ..te_load import initialize_states
+
+    for optimizer in optimizers:
+        inner = _unwrap(optimizer)
+        try:
+            check_contract(inner)
+        except ContractError:
+            continue
+        params = [p for group in inner.param_groups for p in group["params"]]
+        if inner.state or any(p.grad is not None for p in params):
+            continue
+        unscaled = (torch.bfloat16, torch.float32)
+        plain = all(type(_local(p)) in (torch.Tensor, torch.nn.Parameter) for p in params)
+        if plain and all(dtype in unscaled for dtype in inner.name_to_dtype_map.values()):
+            _initialize_through_host(inner)
+        else:
+            initialize_states(inner)
+
+
+def _local(param: Any) -> Any:
+    from ..te_contract import local_of
+
+    return local_of(param)
+
+
+def _initialize_through_host(optimizer: Any) -> None:
+    """TE's ``initialize_state`` for every parameter, with the values made on the host.
+
+    TE's own initializer copies each FP32 master from its parameter on the GPU
+    (``local_param.clone().detach().float()``, TE 2.20.2 fused_adam.py L474-478): a temporary of
+    6 bytes per element of the parameter. Here each state goes in through TE's
+    ``set_scaled_state`` from a host tensor (zeros for the moments and int16 remainders, the
+    parameter converted on the host for a master), which allocates only the state itself for
+    BF16 and FP32 states. The result is TE's initial state bit for bit, and each group's
+    ``"step"`` is counted as TE's step counts it (L571-587), as
+    :func:`~te_ckpt_placement.te_load.initialize_states` does.
+    """
+    from ..te_contract import is_remainder, local_of
+
+    masters = bool(getattr(optimizer, "master_weights", False))
+    largest = max(
+        (local_of(p).numel() for g in optimizer.param_groups for p in g["params"]), default=0
+    )
+    zeros = torch.zeros(largest, dtype=torch.float32)
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            local = local_of(param)
+            zero = zeros[: local.numel()].view(local.shape)
+            optimizer.set_scaled_state(param, "exp_avg", zero)
+            optimizer.set_scaled_state(param, "exp_avg_sq", zero)
+            if not masters:
+                continue
+            if is_remainder(optimizer, param, "master_param"):
+                remainder = torch.zeros(local.shape, dtype=torch.int16)
+                optimizer.set_scaled_state(param, "master_param", remainder)
+            else:
+                host = local.detach().to("cpu").float()
+                optimizer.set_scaled_state(param, "master_param", host)
+        if "step" in group:
+            group["step"] += 1
+        elif getattr(optimizer, "capturable", False):
+            device = group["params"][0].device if group["params"] else torch.device("cuda")
+            group["step"] = torch.tensor([1], dtype=torch.int, device=device)
+        else:
+            group["step"] = 1
+
+
+@contextlib.contextmanager
+def host_group() -> Iterator[Any]:
+    """A gloo process group over the default group's ranks, for collectives on host memory.
+
+    Object collectives and barriers on a NCCL group stage their payload in GPU memory; these
+    run on the host. Collective: every rank must enter it. The group is destroyed on exit.
+    """
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="gloo")
+    try:
+        yield group
+    finally:
+        dist.destroy_process_group(group)
+
+
+def load_sharded(model: Any, optimizer: Any, checkpoint_id: str, options: Any, group: Any) -> None:
+    """accelerate's FSDP2 ``SHARDED_STATE_DICT`` optimizer load with its collectives on ``group``.
+
+    The same calls as ``accelerate.utils.fsdp_utils.load_fsdp_optimizer`` (a template from
+    ``get_optimizer_state_dict``, ``dcp.load`` into it, ``set_optimizer_state_dict``), with
+    DCP's planning collectives and the barriers on the host group.
+    """
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    dist.barrier(group=group)
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer, options=options)}
+    dcp_load(
+        state,
+        storage_reader=FileSystemReader(checkpoint_id),
+        planner=DefaultLoadPlanner(),
+        process_group=group,
+    )
+    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
+    del state
+    dist.barrier(group=group)
+
+
+def load_full(model: Any, optimizer: Any, path: str, options: Any, group: Any) -> bool:
+    """An FSDP2 ``FULL_STATE_DICT`` optimizer load that slices each rank's shard on the host.
+
+    torch's full-state load broadcasts every state from rank 0 through GPU memory, one whole
+    (unsharded) state at a time. Here every rank maps ``path`` into memory, copies its own
+    shard of each state into a local template (``get_optimizer_state_dict`` without
+    ``full_state_dict``) and loads that template. Needs ``path`` readable on every rank (a
+    shared checkpoint directory); returns False, having loaded nothing, when some rank cannot
+    read it.
+
+    Raises:
+        ValueError: a state's global shape differs from the checkpoint's; the optimizer is
+            unchanged.
+    """
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    readable = os.path.isfile(path) and os.access(path, os.R_OK)
+    seen: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(seen, readable, group=group)
+    if not all(seen):
+        return False
+    full = host_load(path, mmap=True)
+    local = dataclasses.replace(options, full_state_dict=False, broadcast_from_rank0=False)
+    template = get_optimizer_state_dict(model, optimizer, options=local)
+    _fill_from_full(template, full, path)
+    set_optimizer_state_dict(model, optimizer, template, options=local)
+    del template, full
+    dist.barrier(group=group)
+    return True
+
+
+def _fill_from_full(template: dict[str, Any], full: dict[str, Any], path: str) -> None:
+    """Copies each rank's shard of every state in ``full`` into ``template`` (same FQN keys).
+
+    States the checkpoint lacks keep the template's value, as in torch's full-state load.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    saved = full.get("state", {})
+    for fqn, states in template["state"].items():
+        source_states = saved.get(fqn)
+        if source_states is None:
+            continue
+        for name, value in list(states.items()):
+            source = source_states.get(name)
+            if source is None:
+                continue
+            if not isinstance(value, torch.Tensor):
+                states[name] = source
+                continue
+            if tuple(source.shape) != tuple(value.shape):
+                raise ValueError(
+                    f"cannot load the optimizer checkpoint {path}: state {name!r} of {fqn} has "
+                    f"shape {tuple(source.shape)}, the model's {tuple(value.shape)}. Nothing "
+                    "was loaded; the optimizer is unchanged."
+                )
+            if isinstance(value, DTensor):
+                shape, offset = compute_local_shape_and_global_offset(
+                    value.shape, value.device_mesh, value.placements
+                )
+                index = tuple(slice(o, o + s) for s, o in zip(shape, offset, strict=True))
+                value.to_local().copy_(source[index])
+            else:
+                value.copy_(source)
+    template["param_groups"] = full["param_groups"]
