@@ -526,12 +526,11 @@ def test_resume_initialize_equals_te_initialize_state(
             reference.initialize_state(param, master == "remainder")
     ours = build()
     if moments != torch.float16:  # built on the host, not by TE's initializer (GPU temporaries)
-        from te_ckpt_placement import te_load
 
-        def on_gpu(optimizer: Any) -> bool:
-            raise AssertionError("te_load.initialize_states used for BF16/FP32 storage")
+        def on_gpu(param: Any, remainder: bool) -> None:
+            raise AssertionError("TE's initialize_state used for BF16/FP32 storage")
 
-        monkeypatch.setattr(te_load, "initialize_states", on_gpu)
+        monkeypatch.setattr(ours, "initialize_state", on_gpu)
     _resume.initialize([ours])
     assert not ours.state  # outside a streaming policy: nothing
     with export_placement("cpu"):

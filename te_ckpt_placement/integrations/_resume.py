@@ -88,8 +88,7 @@ def initialize(optimizers: Iterable[Any]) -> None:
     policy only.
 
     torch then skips its fake step. The states are TE's own initial values (zero moments,
-    masters copied from the parameters, the group's step counted), built without GPU
-    temporaries where TE keeps BF16/FP32 states (:func:`_initialize_through_host`), else by
+    masters copied from the parameters, the group's step counted), made by
     :func:`te_ckpt_placement.te_load.initialize_states`. Optimizers that are not TE FusedAdam,
     or that already have state or gradients, are left alone (torch's own behaviour applies).
     """
@@ -104,63 +103,7 @@ def initialize(optimizers: Iterable[Any]) -> None:
             check_contract(inner)
         except ContractError:
             continue
-        params = [p for group in inner.param_groups for p in group["params"]]
-        if inner.state or any(p.grad is not None for p in params):
-            continue
-        unscaled = (torch.bfloat16, torch.float32)
-        plain = all(type(_local(p)) in (torch.Tensor, torch.nn.Parameter) for p in params)
-        if plain and all(dtype in unscaled for dtype in inner.name_to_dtype_map.values()):
-            _initialize_through_host(inner)
-        else:
-            initialize_states(inner)
-
-
-def _local(param: Any) -> Any:
-    from ..te_contract import local_of
-
-    return local_of(param)
-
-
-def _initialize_through_host(optimizer: Any) -> None:
-    """TE's ``initialize_state`` for every parameter, with the values made on the host.
-
-    TE's own initializer copies each FP32 master from its parameter on the GPU
-    (``local_param.clone().detach().float()``, TE 2.20.2 fused_adam.py L474-478): a temporary of
-    6 bytes per element of the parameter. Here each state goes in through TE's
-    ``set_scaled_state`` from a host tensor (zeros for the moments and int16 remainders, the
-    parameter converted on the host for a master), which allocates only the state itself for
-    BF16 and FP32 states. The result is TE's initial state bit for bit, and each group's
-    ``"step"`` is counted as TE's step counts it (L571-587), as
-    :func:`~te_ckpt_placement.te_load.initialize_states` does.
-    """
-    from ..te_contract import is_remainder, local_of
-
-    masters = bool(getattr(optimizer, "master_weights", False))
-    largest = max(
-        (local_of(p).numel() for g in optimizer.param_groups for p in g["params"]), default=0
-    )
-    zeros = torch.zeros(largest, dtype=torch.float32)
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            local = local_of(param)
-            zero = zeros[: local.numel()].view(local.shape)
-            optimizer.set_scaled_state(param, "exp_avg", zero)
-            optimizer.set_scaled_state(param, "exp_avg_sq", zero)
-            if not masters:
-                continue
-            if is_remainder(optimizer, param, "master_param"):
-                remainder = torch.zeros(local.shape, dtype=torch.int16)
-                optimizer.set_scaled_state(param, "master_param", remainder)
-            else:
-                host = local.detach().to("cpu").float()
-                optimizer.set_scaled_state(param, "master_param", host)
-        if "step" in group:
-            group["step"] += 1
-        elif getattr(optimizer, "capturable", False):
-            device = group["params"][0].device if group["params"] else torch.device("cuda")
-            group["step"] = torch.tensor([1], dtype=torch.int, device=device)
-        else:
-            group["step"] = 1
+        initialize_states(inner)
 
 
 @contextlib.contextmanager
