@@ -35,6 +35,7 @@ Usage:
     python benchmarks/export_memory.py                 # default size, prints the table
     python benchmarks/export_memory.py --sweep full    # N and M sweeps, writes benchmarks/results/
     python benchmarks/export_memory.py --sweep load    # the load targets, N = 0.5 G to 2 G
+    python benchmarks/export_memory.py --sweep load_1g # the same at N = 1 G only
     python benchmarks/export_memory.py --device cpu    # CPU smoke: the load op on TE's stand-in
 
 Without CUDA and Transformer Engine it says what it needs and exits with status 2 (except with
@@ -622,7 +623,7 @@ def format_row(r: dict[str, Any]) -> str:
 
 
 Case = tuple[int, int, str, tuple[str, ...], str]
-SWEEPS = ("default", "full", "speed", "load", "smoke")
+SWEEPS = ("default", "full", "speed", "load", "load_1g", "smoke")
 
 
 def cases(sweep: str) -> list[Case]:
@@ -653,6 +654,11 @@ def cases(sweep: str) -> list[Case]:
         out = [(n, 64 * MI, "bf16", load, master) for master in (r, "fp32") for n in sizes]
         out += [(n, 64 * MI, d, load, r) for d in ("fp16", "fp8") for n in sizes]
         out.append((G, 64 * MI, "fp32", load, r))
+        return out
+    if sweep == "load_1g":  # the load targets at N = 1 G, one case per storage mode
+        load = ("load",)
+        out = [(G, 64 * MI, "bf16", load, master) for master in (r, "fp32")]
+        out += [(G, 64 * MI, d, load, r) for d in ("fp16", "fp8", "fp32")]
         return out
     if sweep == "smoke":  # the CPU smoke run: the load op on TE's stand-in, small
         load = ("load",)

@@ -447,12 +447,17 @@ def _write_one(
     if value.device.type == "cpu" and (
         device.type != "cpu" or upload.memory_order(value) is not None
     ):
-        # The pinned pipeline, into the layout TE's move would give (the CPU stand-in gets
-        # here for dense values only, whose layout that is).
+        # The pinned pipeline. On a GPU into one contiguous FP32 copy: TE's scaling there is
+        # elementwise plus an exact absmax, so the layout cannot change a bit, and a strided
+        # copy would make aminmax allocate a second one. On the host (the CPU stand-in) into
+        # the layout TE's move would give, as host arithmetic can depend on it.
         up = uploader(device)
-        unscaled = torch.empty_strided(
-            value.shape, upload.te_layout_like(value, torch.float32), device=device
+        strides = (
+            upload.te_layout_like(value, torch.float32)
+            if device.type == "cpu"
+            else torch.empty(value.shape, device="meta").stride()
         )
+        unscaled = torch.empty_strided(value.shape, strides, device=device)
         try:
             up.write(unscaled, value)
             up.fence()

@@ -238,6 +238,7 @@ def test_fault_part_way_with_and_without_rollback(
     groups = copy.deepcopy(
         [{k: v for k, v in g.items() if k != "params"} for g in target.param_groups]
     )
+    gc.collect()  # garbage of earlier tests must not be freed inside the measured window
     torch.cuda.synchronize()
     gpu_base = torch.cuda.memory_allocated()
     owner, attr = FAULT_POINTS[where]
