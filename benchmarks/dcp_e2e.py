@@ -95,7 +95,13 @@ MODES = {
     "dcp_load": ("te_default", "placement_cpu_streaming", "placement_cpu"),
 }
 # (layers, hidden): bf16 Linear(hidden, hidden) layers without bias, fully_shard'ed per layer.
-SIZES = {"small": (4, 4096), "default": (16, 8192), "large": (32, 8192), "smoke": (3, 64)}
+SIZES = {
+    "small": (4, 4096),
+    "medium": (8, 8192),
+    "default": (16, 8192),
+    "large": (32, 8192),
+    "smoke": (3, 64),
+}
 GIB = 1 << 30
 
 #: --cpu-smoke: the CPU stand-in of TE FusedAdam on 2 gloo ranks (set in each rank).
