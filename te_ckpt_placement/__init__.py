@@ -18,6 +18,7 @@ from .engine import pinned_pool_bytes
 from .policy import Placement, current_placement, export_placement
 from .te_contract import ContractError
 from .te_hooks import install, is_installed, uninstall
+from .te_load import PartialLoadError
 
 if TYPE_CHECKING:
     from .dcp import PassThroughStager, PlacedOptimizerState
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 # FusedAdam is not listed: `from te_ckpt_placement import *` must work without TE installed.
 __all__ = [
     "ContractError",
+    "PartialLoadError",
     "PassThroughStager",
     "Placement",
     "PlacedOptimizerState",

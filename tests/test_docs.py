@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import re
 import subprocess
 import sys
@@ -39,3 +40,30 @@ def test_performance_page_is_generated_from_committed_results(tmp_path: Path) ->
     assert (tmp_path / "page.md").read_text() == page.read_text(), (
         "docs/performance.md is stale: run python benchmarks/report.py --docs"
     )
+
+
+PUBLIC_MODULES = [
+    "te_ckpt_placement",
+    "te_ckpt_placement.dcp",
+    "te_ckpt_placement.integrations",
+    "te_ckpt_placement.integrations.hf",
+    "te_ckpt_placement.integrations.lightning",
+    "te_ckpt_placement.integrations.pytorch_lightning",
+    "te_ckpt_placement.integrations.automodel",
+    "te_ckpt_placement.integrations.megatron",
+]
+
+
+@pytest.mark.parametrize("module", PUBLIC_MODULES)
+def test_every_public_name_is_in_the_api_reference(module: str) -> None:
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as exc:  # a framework the module wraps is not installed
+        pytest.skip(f"{module}: {exc}")
+    api = (ROOT / "docs" / "api.md").read_text()
+    names = [
+        *getattr(mod, "__all__", ()),
+        *(["FusedAdam"] if module == "te_ckpt_placement" else []),
+    ]
+    missing = [name for name in names if f"`{name}" not in api]
+    assert not missing, f"docs/api.md does not document {module}: {missing}"
