@@ -25,6 +25,9 @@ LABELS = {
 
 def load(path: Path) -> dict[str, Any]:
     data = json.loads(path.read_text())
+    if "machine" not in data and "environment" in data:  # benchmarks/trainer_resume.py
+        env = data["environment"]
+        data["machine"] = {**env, **{k: v for k, v in env.get("versions", {}).items()}}
     if not {"machine", "records"} <= set(data):
         raise ValueError(f"{path}: expected a results file with 'machine' and 'records'")
     return data
@@ -171,6 +174,8 @@ def _fmt(value: Any, key: str) -> str:
     if isinstance(value, bool) or value is None:
         return "" if value is None else str(value)
     if key.endswith("_bytes") and isinstance(value, (int, float)):
+        if abs(value) < MI:
+            return f"{value:.0f} B"  # small figures exactly: 512 B is not "0.00 MiB"
         return f"{value / G:.2f} GiB" if abs(value) >= G else f"{value / MI:.2f} MiB"
     if key in ("n_elements", "max_elements") and isinstance(value, (int, float)):
         return f"{value / G:.2f} G" if value >= G // 10 else f"{value / MI:.2f} M"
@@ -179,13 +184,15 @@ def _fmt(value: Any, key: str) -> str:
     return str(value)
 
 
-def generic_table(data: dict[str, Any], columns: tuple[str, ...]) -> str:
-    """One row per record, the given fields as columns (absent fields left blank)."""
+def generic_table(data: dict[str, Any], columns: tuple[str, ...], op: str | None = None) -> str:
+    """One row per record (of ``op`` only, if given), the fields as columns (absent: blank)."""
     lines = [
         "| " + " | ".join(columns) + " |",
         "|" + "|".join("---" for _ in columns) + "|",
     ]
     for r in data["records"]:
+        if op is not None and r.get("op") != op:
+            continue
         lines.append("| " + " | ".join(_fmt(r.get(c), c) for c in columns) + " |")
     return "\n".join(lines)
 
@@ -246,6 +253,39 @@ SECTIONS: list[tuple[str, str, str, str]] = [
         "`tests/test_gpu_fsdp.py` on 2 GPUs: the export's extra GPU bytes per local element.",
     ),
     (
+        "Loads from a host checkpoint",
+        "h200x2_load.json",
+        "generic:moments,master,n_elements,max_elements,mode,peak_extra_gpu_bytes,"
+        "peak_extra_host_bytes,seconds,bound_seconds,seconds_over_bound,te_seconds,speedup_vs_te",
+        "`benchmarks/export_memory.py --sweep load_1g`: `load_state_dict` of a host checkpoint "
+        "(FP32 states, int16 remainders) into a trained TE FusedAdam, under the policy "
+        "(`placement_cpu`) and TE's own (`te_default`); best of two runs. T*_load = max(R / "
+        "B_h2d, I / B_host_read), with R the bytes written to the GPU, I the checkpoint bytes "
+        "read, and both bandwidths measured in the same run (`h2d`, `host_read` in the JSON). "
+        "The host peak is the kernel's RSS high-water mark, reset before the load. Every load "
+        "was compared bit for bit with TE's own load of the same checkpoint.",
+    ),
+    (
+        "DCP streaming load: memory",
+        "h200x2_dcp_load_bounds.json",
+        "generic:mode,rank,n_elements,max_elements,peak_extra_gpu_bytes,peak_extra_host_bytes",
+        "`tests/test_gpu_dcp_load.py::test_streaming_load_bounds_on_two_gpus`: FSDP2 on 2 GPUs, "
+        "16 BF16 Linear(4096, 4096), int16 remainders; `dcp.load` of the optimizer with TE's "
+        "template (`te_default`), `StreamingLoadPlanner` (`streaming`) and the policy's host "
+        "template (`placement_cpu_template`). Each load restored the saved bits. Host memory is "
+        "RSS with glibc's mmap threshold fixed at 64 KiB, so freed buffers leave RSS.",
+    ),
+    (
+        "Trainer resumes",
+        "h200x2_trainer_resume.json",
+        "generic:trainer_resume:framework,variant,world_size,rank,mode,n_elements,"
+        "peak_extra_gpu_bytes,live_state_bytes,peak_extra_host_bytes,seconds,states_equal_plain",
+        "`benchmarks/trainer_resume.py`: a Llama of 168 M parameters (TE FusedAdam, BF16 moments, "
+        "FP32 masters) saved with the integration, then resumed without (`te_default`) and with "
+        "(`placement_cpu`) it. `peak_extra_gpu_bytes` is the GPU peak during the resume minus the "
+        "memory before it minus the live states the load added.",
+    ),
+    (
         "Soak",
         "h200x2_soak.json",
         "soak",
@@ -262,8 +302,10 @@ def render(kind: str, data: dict[str, Any]) -> str:
         return dcp_table(data)
     if kind == "soak":
         return soak_table(data)
-    if kind.startswith("generic:"):
-        return generic_table(data, tuple(kind.split(":", 1)[1].split(",")))
+    if kind.startswith("generic:"):  # generic:col,col,... or generic:OP:col,col,...
+        spec = kind.split(":")[1:]
+        op = spec[0] if len(spec) == 2 else None
+        return generic_table(data, tuple(spec[-1].split(",")), op)
     raise ValueError(f"unknown section kind {kind!r}: valid are export, dcp, soak, generic:...")
 
 
