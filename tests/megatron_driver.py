@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -40,17 +41,17 @@ def run(world: int, tmp_path: Path, *, cpu: bool, size: str, timeout: float) -> 
         str(tmp_path),
     ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    try:
-        proc = subprocess.run(
-            cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout
-        )
-        code, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
-    except subprocess.TimeoutExpired as exc:
-        code, stdout, stderr = (
-            -1,
-            _text(exc.stdout),
-            _text(exc.stderr) + f"\ntimed out ({timeout} s)",
-        )
+    with subprocess.Popen(
+        cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # torchrun stops its ranks (each in a session of its own) on SIGTERM.
+            proc.send_signal(signal.SIGTERM)
+            stdout, stderr = proc.communicate()
+            stderr += f"\ntimed out after {timeout} s"
+        code = proc.returncode
     print(stdout[-8000:])
     keep = os.environ.get("TE_CKPT_MEGATRON_OUT")
     if keep:
@@ -64,12 +65,6 @@ def run(world: int, tmp_path: Path, *, cpu: bool, size: str, timeout: float) -> 
     assert not failed, json.dumps(failed, indent=1, default=str)[:8000]
     assert result["complete"] and code == 0, f"exit {code}:\n{stderr[-8000:]}"
     return result
-
-
-def _text(data: str | bytes | None) -> str:
-    if isinstance(data, bytes):
-        return data.decode(errors="replace")
-    return data or ""
 
 
 def assert_cases_ran(result: dict[str, Any], world: int, *, fp8: bool = True) -> None:

@@ -63,7 +63,7 @@ def test_the_stand_in_is_megatrons_code() -> None:
 
 # A hung run is stopped here (its JSON, rewritten after every case, and its log are kept), so the
 # two runs together stay within a 4-minute GPU session.
-TIMEOUT_S = 110
+TIMEOUT_S = 100
 
 
 @pytest.mark.gpu
