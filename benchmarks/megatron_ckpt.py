@@ -1,15 +1,16 @@
 """Megatron-Core on 1 or 2 GPUs: dist_checkpointing saves and loads of a GPT's DistributedOptimizer.
 
-The model and optimizer come from Megatron's own setup: ``GPTModel`` (local layer spec) wrapped in
-Megatron's ``DistributedDataParallel``, and ``get_megatron_optimizer`` with
+The model and optimizer come from Megatron's own setup, as Megatron-LM's ``--bf16`` training
+builds them: ``GPTModel`` (local layer spec) in ``Float16Module`` in Megatron's
+``DistributedDataParallel``, and ``get_megatron_optimizer`` with
 ``OptimizerConfig(use_distributed_optimizer=True, use_precision_aware_optimizer=True,
 exp_avg_dtype=bfloat16, exp_avg_sq_dtype=bfloat16, bf16=True, store_param_remainders=...)``,
-which builds TE ``FusedAdam`` inside a ``ChainedOptimizer``. For each sharding type of
-megatron-core 0.19.2, in one run:
+which builds TE ``FusedAdam`` inside a ``ChainedOptimizer``. For each case of :func:`cases`
+(BF16, FP16 and FP8 moments on one GPU; the gathering sharding types on two), in one run:
 
 1. train a few steps, then save with ``dist_checkpointing`` (torch_dist, fully parallel save)
    twice: Megatron's default (``te_default``) and after ``place_optimizer`` (``placement_cpu``);
-2. ``--size test``: compare the two checkpoints tensor by tensor, bit for bit (the padding of
+2. compare the two checkpoints tensor by tensor, bit for bit (the padding of
    ``dp_reshardable`` buckets is ``torch.empty`` in Megatron and is left out);
 3. resume a fresh model and optimizer from each checkpoint (the placed one placed), then train
    on; the optimizer states and parameters must be bit-identical after the load and after the
@@ -23,18 +24,19 @@ Each save and load is measured: ``peak_extra_gpu_bytes`` is ``torch.cuda.max_mem
 above the start, ``peak_extra_host_bytes`` the peak RSS growth (sampled every millisecond),
 ``seconds`` the wall time; ``n_elements`` the local optimizer elements (each rank's own numbers
 are in ``per_rank``). Rank 0 writes ``--out``: the records, every check, the machine and the
-versions. The exit status is 1 if any check failed.
+versions, rewritten after every case (``"complete": true`` once the run has ended). The exit
+status is 1 if any check failed. ``tests/test_gpu_megatron.py`` runs it on 1 and 2 GPUs;
+``tests/megatron_cpu_run.py`` runs it on the CPU.
 
 Usage (repository root, megatron-core 0.19.2 and TE importable):
-    python -m torch.distributed.run --standalone --nproc_per_node 1 benchmarks/megatron_ckpt.py \
-        --size bench --out FILE.json
     python -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/megatron_ckpt.py \
-        --size bench --out FILE.json
+        --out FILE.json
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
 import json
 import os
@@ -55,6 +57,8 @@ MI = 1 << 20
 # GPU bytes a placed save or load may allocate beyond Megatron's own buffers: the metadata
 # collectives of dist_checkpointing (pickled objects on the GPU), nothing that scales with N.
 SLACK_BYTES = 8 * MI
+# "cuda"; "cpu" only under tests/megatron_cpu_run.py (gloo, TE's stand-in, no GPU to measure).
+DEVICE = "cuda"
 
 
 @dataclass(frozen=True)
@@ -71,10 +75,11 @@ class Size:
 
 
 SIZES = {
-    # 13.6 M parameters: N well above the slack, every check in seconds.
+    # The GPU run: 16.8 M parameters, so 8 B/element (135 MB on 1 GPU, 67 MB per rank on 2) stand
+    # well above the slack, and every save, load and comparison is quick.
     "test": Size(4, 512, 8, 4096, 64, 4, 3, 3, 4_000_000),
-    # About 92 M parameters (1.1 GB per checkpoint).
-    "bench": Size(6, 1024, 16, 8192, 128, 4, 1, 1, 40_000_000),
+    # The CPU run of tests/megatron_cpu_run.py: 0.66 M parameters, several buckets.
+    "smoke": Size(2, 128, 4, 1024, 32, 2, 2, 2, 60_000),
 }
 
 
@@ -94,25 +99,28 @@ class Case:
         return f"{self.sharding_type}/{moments[self.moments]}/{master}"
 
 
-def cases(size: str, world: int) -> list[Case]:
-    # dp_zero_gather_scatter and fully_reshardable load FP32 masters only: megatron-core 0.19.2
-    # hands their loaded "param" to set_scaled_state as FP32, which TE refuses for int16
-    # remainders (distrib_optimizer.py L2310 and L2356, L2405; TE fused_adam.py L378).
-    # fully_reshardable in one bucket: with several, megatron-core 0.19.2 slices its gathered
-    # world tensors, which leave out the padding between buckets (L1395-1402), at the padded
-    # buffer offsets of param_index_map (L1790).
-    main = [
+def cases(world: int) -> list[Case]:
+    """What one run covers: the moment dtypes on one rank, the gathering types on several.
+
+    dp_zero_gather_scatter and fully_reshardable load FP32 masters only: megatron-core 0.19.2
+    hands their loaded "param" to set_scaled_state as FP32, which TE refuses for int16
+    remainders (distrib_optimizer.py L2310 and L2356, L2405; TE fused_adam.py L378).
+    fully_reshardable in one bucket: with several, megatron-core 0.19.2 slices its gathered
+    world tensors, which leave out the padding between buckets (L1395-1402), at the padded
+    buffer offsets of param_index_map (L1790).
+    """
+    if world == 1:
+        return [
+            Case("dp_reshardable"),
+            Case("dp_reshardable", torch.float16, remainders=False),
+            Case("dp_reshardable", torch.uint8, remainders=False),
+            Case("fully_sharded_model_space"),
+        ]
+    return [
         Case("dp_reshardable"),
         Case("fully_reshardable", remainders=False, buckets=False),
         Case("dp_zero_gather_scatter", remainders=False),
-        Case("fully_sharded_model_space"),
     ]
-    if size == "test" and world == 1:
-        main += [
-            Case("dp_reshardable", torch.float16, remainders=False),
-            Case("dp_reshardable", torch.uint8, remainders=False),
-        ]
-    return main
 
 
 def _ensure_root_on_path() -> None:
@@ -127,19 +135,32 @@ def init_distributed() -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl")
-    parallel_state.initialize_model_parallel(1, 1)
+    if DEVICE == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # A rank that fails alone must not leave the others waiting (10 and 30 minutes by default).
+    dist.init_process_group(
+        "nccl" if DEVICE == "cuda" else "gloo", timeout=datetime.timedelta(seconds=60)
+    )
+    parallel_state.initialize_model_parallel(1, 1, distributed_timeout_minutes=1)
 
 
 def build(size: Size, case: Case, seed: int) -> tuple[Any, Any, Any]:
-    """(DDP-wrapped GPTModel, the GPTModel, the ChainedOptimizer) as Megatron builds them."""
+    """(the model that trains, the GPTModel in it, the ChainedOptimizer), as Megatron-LM's.
+
+    As ``megatron/training/training.py`` ``get_model`` does with ``--bf16``: the GPTModel on
+    the GPU, in ``Float16Module`` (which casts it to BF16, the learned position embeddings
+    included, and the first stage's float inputs), in ``DistributedDataParallel``.
+    """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.tensor_parallel import (
+        model_parallel_cuda_manual_seed,
+        set_defaults_if_not_set_tensor_model_parallel_attributes,
+    )
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
 
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
@@ -157,14 +178,16 @@ def build(size: Size, case: Case, seed: int) -> tuple[Any, Any, Any]:
         transformer_layer_spec=get_gpt_layer_local_spec(),
         vocab_size=size.vocab,
         max_sequence_length=size.seq,
-    ).cuda()
+    ).to(DEVICE)
+    for param in gpt.parameters():
+        set_defaults_if_not_set_tensor_model_parallel_attributes(param)
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=True,
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=case.buckets,  # bucket_size applies only with it
         bucket_size=size.bucket_size if case.buckets else None,
     )
-    model = DistributedDataParallel(config, ddp_config, gpt)
+    model = DistributedDataParallel(config, ddp_config, Float16Module(config, gpt))
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam",
@@ -192,12 +215,13 @@ def distributed_optimizer(optimizer: Any) -> Any:
 def train(model: Any, optimizer: Any, size: Size, steps: int, seed: int) -> None:
     import torch.distributed as dist
 
-    gen = torch.Generator(device="cuda").manual_seed(seed * 1000 + dist.get_rank())
-    position_ids = torch.arange(size.seq, device="cuda").unsqueeze(0).expand(size.batch, -1)
-    causal = torch.ones(size.seq, size.seq, dtype=torch.bool, device="cuda").triu(1)[None, None]
+    gen = torch.Generator(device=DEVICE).manual_seed(seed * 1000 + dist.get_rank())
+    position_ids = torch.arange(size.seq, device=DEVICE).unsqueeze(0).expand(size.batch, -1)
+    causal = torch.ones(size.seq, size.seq, dtype=torch.bool, device=DEVICE).triu(1)[None, None]
     for _ in range(steps):
-        tokens = torch.randint(0, size.vocab, (size.batch, size.seq), generator=gen, device="cuda")
-        labels = torch.randint(0, size.vocab, (size.batch, size.seq), generator=gen, device="cuda")
+        shape = (size.batch, size.seq)
+        tokens = torch.randint(0, size.vocab, shape, generator=gen, device=DEVICE)
+        labels = torch.randint(0, size.vocab, shape, generator=gen, device=DEVICE)
         model.zero_grad_buffer()
         optimizer.zero_grad()
         loss = model(tokens, position_ids, causal, labels=labels)
@@ -397,7 +421,6 @@ class Run:
     def __init__(self, size_name: str, root: Path) -> None:
         import torch.distributed as dist
 
-        self.size_name = size_name
         self.size = SIZES[size_name]
         self.root = root
         self.world = dist.get_world_size()
@@ -421,6 +444,13 @@ class Run:
         if self.rank == 0:
             print(("PASS " if entry["ok"] else "FAIL ") + f"{case.name}: {name} {detail!r}")
 
+    def memory_check(self, case: Case, name: str, ok: bool, detail: Any) -> None:
+        """A GPU memory check; on the CPU (no GPU memory to judge) only its code runs."""
+        if DEVICE == "cuda":
+            self.check(case, name, ok, detail)
+        else:
+            self.check(case, f"not measured on the CPU: {name}", True, detail)
+
     def measure(self, op: str, case: Case, mode: str, n: int, fn: Any) -> dict[str, Any]:
         import torch.distributed as dist
 
@@ -429,7 +459,7 @@ class Run:
 
         result: dict[str, Any] = {}
         dist.barrier()
-        with measured(result):
+        with measured(result, cuda=DEVICE == "cuda"):
             fn()
         per_rank: list[Any] = [None] * self.world
         dist.all_gather_object(per_rank, {**result, "n_elements": n})
@@ -501,21 +531,23 @@ class Run:
             )
         self._check_save_memory(case, member, results, n)
 
-        if self.size_name == "test":
-            slots: list[Any] = [None] * self.world
-            dist.all_gather_object(slots, param_slots(optimizer))
-            bad: list[str] = []
-            if self.rank == 0:
-                merged: dict[tuple[int, int], list[tuple[int, int]]] = {}
-                for rank_slots in slots:
-                    for key, spans in rank_slots.items():
-                        merged.setdefault(key, []).extend(spans)
+        slots: list[Any] = [None] * self.world
+        dist.all_gather_object(slots, param_slots(optimizer))
+        bad: list[str] = []
+        if self.rank == 0:
+            merged: dict[tuple[int, int], list[tuple[int, int]]] = {}
+            for rank_slots in slots:
+                for key, spans in rank_slots.items():
+                    merged.setdefault(key, []).extend(spans)
+            try:  # rank 0 alone: an error must reach the check, not leave the others waiting
                 bad = compare_checkpoints(
                     read_checkpoint(dirs["te_default"], base),
                     read_checkpoint(dirs["placement_cpu"], base),
                     merged,
                 )
-            self.check(case, "checkpoints equal Megatron's, bit for bit", not bad, bad)
+            except Exception:
+                bad = [traceback.format_exc()[-2000:]]
+        self.check(case, "checkpoints equal Megatron's, bit for bit", not bad, bad)
         del model, gpt, optimizer, member
         _free()
 
@@ -525,7 +557,7 @@ class Run:
             model, gpt, optimizer = build(size, case, seed=2)
             if mode == "placement_cpu":
                 place_optimizer(optimizer)
-            before = torch.cuda.memory_allocated()
+            before = _allocated()
             results[f"load_{mode}"] = self.measure(
                 "megatron_load",
                 case,
@@ -533,7 +565,7 @@ class Run:
                 n,
                 lambda ckpt=ckpt, gpt=gpt, optimizer=optimizer: load(gpt, optimizer, case, ckpt),
             )
-            grown = torch.cuda.memory_allocated() - before
+            grown = _allocated() - before
             after[mode] = snapshot(gpt, optimizer)
             if mode == "placement_cpu":
                 self._check_load_memory(case, results, optimizer, grown)
@@ -563,7 +595,7 @@ class Run:
         if case.sharding_type == "dp_reshardable":
             bound = SLACK_BYTES
             removed = default - placed
-            self.check(
+            self.memory_check(
                 case,
                 "save: Megatron's FP32 copies (8 B/element) are gone",
                 removed >= 0.9 * 8 * n,
@@ -575,7 +607,7 @@ class Run:
             world = member.data_parallel_group.size()
             bucket = max(b.grad_data.numel() for buf in member.buffers for b in buf.buckets)
             bound = (world + 1) * (bucket // world) * 4 + SLACK_BYTES
-        self.check(
+        self.memory_check(
             case,
             "save: placed peak GPU within bound",
             placed <= bound,
@@ -605,8 +637,12 @@ class Run:
         if case.moments == torch.bfloat16:
             # The states that stay allocated, and no more (FP16/FP8 loads rescale each state
             # on the GPU through TE's set_scaled_state, one FP32 state at a time).
-            self.check(case, "load: placed peak GPU is the loaded states", placed <= bound, detail)
-        self.check(case, "load: placed peak GPU not above Megatron's", placed <= default, detail)
+            self.memory_check(
+                case, "load: placed peak GPU is the loaded states", placed <= bound, detail
+            )
+        self.memory_check(
+            case, "load: placed peak GPU not above Megatron's", placed <= default, detail
+        )
 
     def remainder_probe(self) -> None:
         """Megatron's own dp_zero_gather_scatter load with int16 remainders (no placement)."""
@@ -617,6 +653,8 @@ class Run:
         error = None
         try:
             save(gpt, optimizer, case, ckpt)
+            del model, gpt, optimizer
+            _free()
             _model2, gpt2, optimizer2 = build(self.size, case, seed=2)
             load(gpt2, optimizer2, case, ckpt)
         except Exception as exc:
@@ -636,7 +674,12 @@ class Run:
 
 def _free() -> None:
     gc.collect()
-    torch.cuda.empty_cache()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _allocated() -> int:
+    return torch.cuda.memory_allocated() if DEVICE == "cuda" else 0
 
 
 def versions() -> dict[str, Any]:
@@ -645,7 +688,7 @@ def versions() -> dict[str, Any]:
     from te_ckpt_placement.integrations.megatron import megatron_version
 
     return {
-        **machine(),
+        **(machine() if DEVICE == "cuda" else {"device": "cpu", "torch": torch.__version__}),
         "megatron_core": megatron_version(),
         "world_size": torch.distributed.get_world_size(),
     }
@@ -654,11 +697,14 @@ def versions() -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--size", choices=sorted(SIZES), default="bench")
+    parser.add_argument("--size", choices=sorted(SIZES), default="test")
     parser.add_argument("--cases", default="", help="comma-separated sharding types (default all)")
     parser.add_argument("--workdir", type=Path, default=None, help="checkpoints go here")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cuda" and not torch.cuda.is_available():
         print("megatron_ckpt needs CUDA GPUs, megatron-core 0.19.2 and Transformer Engine")
         return 2
     # Deterministic kernels, so that two resumed runs can be compared bit for bit; torch.empty
@@ -675,49 +721,51 @@ def main(argv: list[str] | None = None) -> int:
     dist.broadcast_object_list(holder, src=0)
     run = Run(args.size, Path(holder[0]))
     wanted = {s for s in args.cases.split(",") if s}
-    status = 0
-    try:
-        for case in cases(args.size, run.world):
-            if wanted and case.sharding_type not in wanted:
-                continue
-            start = time.perf_counter()
-            try:
-                run.run_case(case)
-            except Exception:
-                status = 1
-                tb = traceback.format_exc()
-                print(tb, file=sys.stderr)
-                run.checks.append(
-                    {"case": case.name, "check": "ran", "ok": False, "detail": tb[-2000:]}
-                )
-            if run.rank == 0:
-                print(f"-- {case.name}: {time.perf_counter() - start:.1f} s", flush=True)
-        if args.size == "test" and run.world == 1 and not wanted:
-            run.remainder_probe()
-        if any(not c["ok"] for c in run.checks):
-            status = 1
+    machine = versions() if run.rank == 0 else {}
+
+    def write(done: bool) -> None:
+        """Rank 0 writes what it has after every case, so a run cut short still reports."""
+        if run.rank != 0:
+            return
+        ok = done and all(c["ok"] for c in run.checks)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        result = {
+            "machine": machine,
+            "size": args.size,
+            "model": SIZES[args.size].__dict__,
+            "records": run.records,
+            "checks": run.checks,
+            "complete": done,
+            "ok": ok,
+        }
+        args.out.write_text(json.dumps(result, indent=1, default=str))
+        if done:
+            print(f"wrote {args.out} ({'ok' if ok else 'FAILED'})", flush=True)
+
+    def attempt(name: str, fn: Any) -> None:
+        start = time.perf_counter()
+        try:
+            fn()
+        except Exception:
+            tb = traceback.format_exc()
+            print(tb, file=sys.stderr, flush=True)
+            run.checks.append({"case": name, "check": "ran", "ok": False, "detail": tb[-2000:]})
         if run.rank == 0:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(
-                json.dumps(
-                    {
-                        "machine": versions(),
-                        "size": args.size,
-                        "model": SIZES[args.size].__dict__,
-                        "records": run.records,
-                        "checks": run.checks,
-                        "ok": status == 0,
-                    },
-                    indent=1,
-                    default=str,
-                )
-            )
-            print(f"wrote {args.out} ({'ok' if status == 0 else 'FAILED'})")
+            print(f"-- {name}: {time.perf_counter() - start:.1f} s", flush=True)
+        write(done=False)
+
+    try:
+        for case in cases(run.world):
+            if not wanted or case.sharding_type in wanted:
+                attempt(case.name, lambda case=case: run.run_case(case))
+        if run.world == 1 and not wanted:
+            attempt("probe", run.remainder_probe)
+        write(done=True)
     finally:
         if run.rank == 0:
             shutil.rmtree(root, ignore_errors=True)
         dist.destroy_process_group()
-    return status
+    return 0 if all(c["ok"] for c in run.checks) else 1
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from te_ckpt_placement import ContractError, Placement, engine, export_placement
 from te_ckpt_placement.integrations import megatron
 from te_ckpt_placement.integrations._methods import placed_methods
 
+from . import megatron_driver as md
 from . import megatron_standin as ms
 from .helpers import bits
 from .standin import StandInFusedAdam
@@ -683,3 +684,21 @@ def test_two_data_parallel_ranks_on_gloo() -> None:
     import torch.multiprocessing as mp
 
     mp.spawn(_two_rank_worker, args=(_free_port(), _real_api() is not None), nprocs=2, join=True)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_megatrons_own_training_setup_end_to_end(world: int, tmp_path: Path) -> None:
+    """``benchmarks/megatron_ckpt.py`` on the CPU (``tests/megatron_cpu_run.py``), as on GPUs.
+
+    Megatron's own BF16 GPTModel (``Float16Module``), DDP, ``get_megatron_optimizer`` and
+    ``dist_checkpointing`` on gloo, TE's stand-in as the FusedAdam: the forward and backward,
+    the saves and loads of every case of the GPU run (FP8 aside, see ``STORAGE``), every check
+    but the GPU memory bounds.
+    """
+    if _real_api() is None:
+        reason = "megatron-core does not import here (it needs Python >= 3.12)"
+        if os.environ.get("TE_CKPT_REQUIRE_MEGATRON") == "1":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    result = md.run(world, tmp_path, cpu=True, size="smoke", timeout=300)
+    md.assert_cases_ran(result, world, fp8=False)
