@@ -276,6 +276,29 @@ SECTIONS: list[tuple[str, str, str, str]] = [
         "RSS with glibc's mmap threshold fixed at 64 KiB, so freed buffers leave RSS.",
     ),
     (
+        "DCP save and load paths",
+        "h200x2_dcp_paths.json",
+        "generic:op,mode,rank,save_index,n_elements,max_elements,peak_extra_gpu_bytes,"
+        "peak_extra_host_bytes,seconds,seconds_total,blocked_over_bound,within_host_bound",
+        "`benchmarks/dcp_e2e.py --size medium` (FSDP2 on 2 GPUs, 8 BF16 Linear(8192, 8192), int16 "
+        "remainders): the streaming save (`placement_cpu_streaming`, `StreamingWriter`, one "
+        "writer thread), the raw-snapshot async save (`placement_cpu_snapshot`, three saves in a "
+        "row; `blocked_over_bound` is the time `dcp.async_save` blocked over (R_optimizer + "
+        "R_model) / B_d2h, with B_d2h measured in the run) and the streaming load next to TE's "
+        "and the plain policy's. The snapshot rows' GPU peak includes the training step taken "
+        "while each write runs. The run stopped at its time limit during the last `dcp_load` "
+        "mode (the policy's template path), so that row is missing; every row here was checked "
+        "bit for bit before it was kept.",
+    ),
+    (
+        "Megatron-Core checkpoints",
+        "h200x2_megatron_2gpu.json",
+        "generic:op,sharding_type,case,mode,world_size,rank,n_elements,peak_extra_gpu_bytes,"
+        "peak_extra_host_bytes,seconds",
+        "`benchmarks/megatron_ckpt.py --size test` on 2 GPUs (megatron-core 0.19.2, a 16.8 M "
+        "parameter GPTModel); [megatron.md](megatron.md) has the 1-GPU figures and what failed.",
+    ),
+    (
         "Trainer resumes",
         "h200x2_trainer_resume.json",
         "generic:trainer_resume:framework,variant,world_size,rank,mode,n_elements,"
