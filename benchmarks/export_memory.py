@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -310,8 +311,55 @@ def timed(
     return out, result
 
 
+def placed_report(op: str, before: Any) -> dict[str, Any]:
+    """The report of the placed export or load that just ran in this thread (``before`` is the
+    last report before it), printed."""
+    from te_ckpt_placement import last_report
+
+    report = last_report()
+    if report is None or report is before or report.op != op or report.failed:
+        raise RuntimeError(f"the {op} that just ran left no report of its own (found {report})")
+    print(f"  {report}", flush=True)
+    return dataclasses.asdict(report)
+
+
+def report_checks(rec: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, bool]:
+    """A placed run's report against what this run measured or counted by itself."""
+    r = rec["report"]
+    cuda = rec["device"] == "cuda"
+    checks = {}
+    if rec["op"] == "export":
+        checks["device_to_host_bytes == raw_bytes"] = r["device_to_host_bytes"] == rec["raw_bytes"]
+        checks["host_bytes_written == output_bytes"] = (
+            r["host_bytes_written"] == rec["output_bytes"]
+        )
+        checks["gpu_bytes == 0"] = r["gpu_bytes"] == 0
+        te = [x for x in records if x["op"] == "export" and x["mode"] == "te_default"]
+        if te:
+            measured = te[-1]["peak_extra_gpu_bytes"]
+            checks["te_gpu_bytes == TE's measured GPU peak"] = r["te_gpu_bytes"] == measured
+        return checks
+    checks["host_to_device_bytes == upload_bytes"] = (
+        r["host_to_device_bytes"] == rec["upload_bytes"]
+    )
+    if cuda:
+        te = rec["te_peak_extra_gpu_bytes"]
+        checks["te_gpu_bytes == TE's measured GPU peak"] = r["te_gpu_bytes"] == te
+        # Our FP32 copy (in 512-byte blocks) plus TE's one-element scaling temporaries.
+        bound = -(-r["gpu_bytes"] // 512) * 512 + 16 * 512
+        checks["gpu_bytes <= measured GPU peak <= its bound"] = (
+            r["gpu_bytes"] <= rec["peak_extra_gpu_bytes"] <= bound
+        )
+    return checks
+
+
 def measure(mode: str, model: Any, opt: Any) -> dict[str, Any]:
+    from te_ckpt_placement import last_report
+
+    before = last_report()
     sd, result = timed(export_fn(mode, model, opt))
+    if mode.startswith("placement_cpu"):
+        result["report"] = placed_report("export", before)
     result["output_devices"] = verify(sd, model, opt)  # correctness before numbers are kept
     del sd
     gc.collect()
@@ -331,6 +379,21 @@ def state_bytes(opt: Any) -> tuple[int, int]:
             remainder = stored.dtype == torch.int16 and name == "master_param"
             out += stored.numel() * (2 if remainder else 4)
     return raw, out
+
+
+def upload_bytes(opt: Any) -> int:
+    """The bytes a streaming load copies to the device: each state as stored, FP16 and FP8
+    states as the FP32 copy TE scales on the device."""
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for states in opt.state.values():
+        for name, value in states.items():
+            local = value._local_tensor if isinstance(value, DTensor) else value
+            stored = getattr(local, "_data", local)
+            scaled = opt.name_to_dtype_map[name] in (torch.float16, torch.uint8)
+            total += stored.numel() * (4 if scaled else stored.element_size())
+    return total
 
 
 def live_snapshot(opt: Any) -> list[torch.Tensor]:
@@ -371,7 +434,7 @@ def load_case(
     """TE's load and the policy's load of one host checkpoint, checked equal, with the bound."""
     import copy
 
-    from te_ckpt_placement import export_placement
+    from te_ckpt_placement import export_placement, last_report
 
     cuda = device == "cuda"
     with export_placement("cpu"):
@@ -382,6 +445,7 @@ def load_case(
     common = {
         "read_bytes": read_bytes,
         "written_bytes": written,
+        "upload_bytes": upload_bytes(opt),
         "bound_seconds": bound,
         "h2d_bytes_per_s": bw["h2d"],
         "host_read_bytes_per_s": bw["host_read"],
@@ -402,7 +466,9 @@ def load_case(
     reference = live_snapshot(opt)
     runs = []
     for _ in range(2):  # the faster counts; both are recorded
+        before = last_report()
         _, result = timed(ours, host="high_water", cuda=cuda)
+        result["report"] = placed_report("load", before)
         assert same_bits(live_snapshot(opt), reference), "the policy's load differs from TE's"
         runs.append(result)
     del reference
@@ -472,8 +538,13 @@ def run_case(
         rec["host_bytes_per_n"] = rec["peak_extra_host_bytes"] / local
         if "bound_seconds" in rec:
             rec["seconds_over_bound"] = rec["seconds"] / rec["bound_seconds"]
+        if "report" in rec:
+            rec["report_checks"] = report_checks(rec, records)
         records.append(rec)
         print(format_row(rec), flush=True)
+        failed = [name for name, ok in rec.get("report_checks", {}).items() if not ok]
+        if failed:
+            print(f"  REPORT CHECK FAILED: {'; '.join(failed)}", flush=True)
 
     if "export" in ops:
         bound_first = max(raw_bytes / bw["d2h"], out_bytes / bw["fresh"])
@@ -750,6 +821,9 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
+    checks = [ok for r in records for ok in r.get("report_checks", {}).values()]
+    if checks:
+        print(f"report checks hold in {sum(checks)} of {len(checks)}", flush=True)
     loads = [r for r in records if r["op"] == "load" and r["mode"] == "placement_cpu"]
     if loads:
         met = sum(r["targets_met"] for r in loads)

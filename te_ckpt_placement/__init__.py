@@ -12,10 +12,12 @@ does, on first access. ``PassThroughStager`` and ``PlacedOptimizerState`` (from
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from .engine import pinned_pool_bytes
 from .policy import Placement, current_placement, export_placement
+from .reports import TransferReport, last_report
 from .te_contract import ContractError
 from .te_hooks import install, is_installed, uninstall
 from .te_load import PartialLoadError
@@ -31,15 +33,20 @@ __all__ = [
     "PassThroughStager",
     "Placement",
     "PlacedOptimizerState",
+    "TransferReport",
     "current_placement",
     "export_placement",
     "install",
     "is_installed",
+    "last_report",
     "pinned_pool_bytes",
     "release_buffers",
     "uninstall",
 ]
 __version__ = "0.1.0"
+
+# Silent unless the application configures logging (the reports log at INFO).
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 
 def release_buffers() -> None:

@@ -26,6 +26,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from . import reports
+
 __all__ = [
     "Plan",
     "lent_stager",
@@ -128,6 +130,10 @@ class _Scratch:
             self._buffer = None  # the old one is freed before the larger one is made
             self._buffer = torch.empty(nbytes, dtype=torch.uint8)
         return self._buffer[:nbytes].view(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._buffer is None else self._buffer.numel()
 
 
 class _Stager:
@@ -297,6 +303,7 @@ def _stream_into(src: torch.Tensor, out: torch.Tensor, convert: Convert) -> None
             convert(staged[i], flat_out[a:b], st.scratch)
             staged[i] = None  # type: ignore[call-overload]
         complete = True  # every copy was waited for
+        reports.staging(st.device, RING * st.chunk_bytes + st.scratch.nbytes)
     finally:
         # Give the stager back before anything that can raise (see _Lease).
         stager = lease.stager
@@ -690,13 +697,15 @@ def export_optimizer_state(
     Returns:
         ``state_dict`` with every planned state on the host.
     """
-    # This export's identity: the buffers it takes are the ones the cache keeps (and the place
-    # where a per-export report would collect what it did).
+    # This export's identity: the buffers it takes are the ones the cache keeps.
     export = object()
+    recorder = reports.active()
     for key, param, sources in plan:
         exported: dict[str, Any] = {}
         for name, source in sources.items():
             host = materialize(source, reuse_buffers=reuse_buffers, export=export)
+            if recorder is not None:
+                recorder.exported(source.kind, source.data, host)
             _register_export(host)
             exported[name] = to_cpu_dtensor(host, param) if isinstance(param, DTensor) else host
             del host

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import engine
+from . import engine, reports
 from .policy import Placement
 
 __all__ = [
@@ -195,6 +195,7 @@ def describe_state(
     )
 
 
+@reports.operation("export")
 def stream_state_dict(optimizer: Any, placement: Placement, owner: type) -> dict[str, Any]:
     """TE's ``state_dict`` (L482-513) with every state placed on the host as it is produced."""
     check_contract(optimizer)

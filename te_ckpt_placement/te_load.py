@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import engine, upload
+from . import engine, reports, upload
 from .te_contract import (
     STATE_NAMES,
     check_contract,
@@ -275,6 +275,7 @@ class _Rollback:
     def keep(self, tensor: torch.Tensor | None) -> None:
         if tensor is not None:
             self.saved.append((tensor, tensor.to("cpu", copy=True)))
+            reports.kept(tensor.numel() * tensor.element_size())
 
     def keep_state(self, optimizer: Any, param: torch.Tensor, name: str, live: Any) -> None:
         for tensor in _written_tensors(optimizer, param, name, live):
@@ -430,10 +431,11 @@ def _write_one(
         optimizer._initialize_state(param, name, False, remainder)
         live = state[name]
     value = job.local
+    device = local_of(param).device
     if not _plain(value):  # a tensor subclass: TE's own conversion, as TE's load runs it
+        reports.device_temporary(reports.te_state_device_bytes(value, device, kind, remainder))
         optimizer.set_scaled_state(param, name, value if remainder else value.float())
         return
-    device = local_of(param).device
     if remainder or kind in (torch.float32, torch.bfloat16):
         dst = local_of(live)
         if value.device.type == "cpu":
@@ -458,6 +460,7 @@ def _write_one(
             else torch.empty(value.shape, device="meta").stride()
         )
         unscaled = torch.empty_strided(value.shape, strides, device=device)
+        reports.device_temporary(4 * value.numel())
         try:
             up.write(unscaled, value)
             up.fence()
@@ -470,6 +473,9 @@ def _write_one(
     unscaled = value.float()
     if kind == torch.float16 and unscaled is value and value.device == device:
         unscaled = _copy_as_is(value)  # TE would scale the caller's tensor in place
+    # On the state's device: this copy, or TE's move there of a value from elsewhere (L296).
+    made = unscaled.untyped_storage().nbytes() if unscaled is not value else 0
+    reports.device_temporary(made if unscaled.device == device else 4 * value.numel())
     try:
         optimizer.set_scaled_state(param, name, unscaled)
     finally:
@@ -501,6 +507,7 @@ def _write_all(optimizer: Any, prepare: Callable[[], list[_Job]], undo: _Rollbac
             for i, job in enumerate(jobs):
                 _write_one(optimizer, job, uploader, undo, i in fresh)
                 written += 1
+                reports.state_written()
     except BaseException as exc:
         if undo is not None:
             try:
@@ -556,6 +563,7 @@ def _post_hooks_deferred(optimizer: Any) -> Iterator[OrderedDict[Any, Any]]:
         optimizer._optimizer_load_state_dict_post_hooks = hooks
 
 
+@reports.operation("load")
 def stream_load_state_dict(
     optimizer: Any, state_dict: Any, owner: type, *, rollback: bool = False
 ) -> None:
@@ -574,6 +582,7 @@ def stream_load_state_dict(
     """
     check_contract(optimizer)
     plan = plan_load(optimizer, state_dict)
+    _count_te_cost(optimizer, plan, bulk_cast=True)
     # The live states, before torch replaces optimizer.state.
     live = {param: dict(optimizer.state.get(param, {})) for _, param, _ in plan}
     planned = {index for index, _, _ in plan}
@@ -624,6 +633,13 @@ def load_states(
         rollback: On a failure part-way, put the written states back (a host copy of each
             overwritten state, made as the load goes); otherwise raise :class:`PartialLoadError`.
     """
+    with reports.operation("load"):
+        _load_states(optimizer, states, rollback=rollback)
+
+
+def _load_states(
+    optimizer: Any, states: Iterable[tuple[torch.Tensor, str, Any]], *, rollback: bool
+) -> None:
     check_contract(optimizer)
     position = {
         id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])
@@ -643,6 +659,9 @@ def load_states(
         seen.add((id(param), name))
         _check_value(optimizer, param, index, name, value)
         jobs.append(_Job(index, param, name, value))
+    _count_te_cost(
+        optimizer, [(j.index, j.param, {j.name: j.value}) for j in jobs], bulk_cast=False
+    )
     undo = _Rollback(optimizer) if rollback else None
     _write_all(optimizer, lambda: jobs, undo)
 
@@ -654,9 +673,29 @@ def load_state(optimizer: Any, param: torch.Tensor, name: str, value: Any) -> No
     load planner): ``value`` (host or device tensor, or a DTensor with ``param``'s placements)
     is validated against the state's storage and written in place where it fits, BF16/FP32/int16
     from the host through the pinned pipeline. A failure after validation leaves that one state
-    partly written; writing it again repairs it. See :func:`load_states`.
+    partly written; writing it again repairs it. See :func:`load_states`. It reports nothing of
+    its own (one report per state would drown a DCP load's): inside a running operation it
+    counts towards that one (:mod:`te_ckpt_placement.reports`).
     """
-    load_states(optimizer, [(param, name, value)])
+    _load_states(optimizer, [(param, name, value)], rollback=False)
+
+
+def _count_te_cost(
+    optimizer: Any, plan: list[tuple[Any, Any, dict[str, Any]]], *, bulk_cast: bool
+) -> None:
+    """Reports what TE's own load of ``plan`` would allocate on the device (see reports)."""
+    if reports.active() is not None:
+        parts = [
+            (
+                param,
+                [
+                    (v, optimizer.name_to_dtype_map[n], is_remainder(optimizer, param, n))
+                    for n, v in entries.items()
+                ],
+            )
+            for _, param, entries in plan
+        ]
+        reports.te_cost(reports.te_load_device_bytes(parts, bulk_cast=bulk_cast))
 
 
 def initialize_states(optimizer: Any) -> bool:

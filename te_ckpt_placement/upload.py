@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from . import engine
+from . import engine, reports
 
 __all__ = [
     "Uploader",
@@ -145,6 +145,8 @@ def write_device(dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.dtype in (torch.bfloat16, torch.float32):
         elsewhere = src.device != dst.device
         if elsewhere or (dst.dtype == torch.bfloat16 and src.dtype != torch.float32):
+            if not elsewhere and src.dtype != torch.float32:
+                reports.device_temporary(4 * src.numel())
             src = src.float()
         if elsewhere and dst.dtype == torch.bfloat16:
             src = src.bfloat16()
@@ -169,6 +171,7 @@ class Uploader:
 
     def __enter__(self) -> Uploader:
         self._stager = self._exit.enter_context(engine.lent_stager(self.device))
+        reports.staging(self.device, self._stager.nbytes)  # the ring (a load uses no scratch)
         self._offset = self._stager.chunk_bytes  # the first take starts a fresh slot
         return self
 
@@ -224,10 +227,16 @@ class Uploader:
         limit = st.chunk_bytes // size
         bf16 = dst.dtype == torch.bfloat16
         whole = bf16_copy_is_vectorized(src) if bf16 else None
+        # Host temporaries: a non-FP32 source is widened to FP32 block by block.
+        wide = 4 if bf16 and src.dtype != torch.float32 else 0
+        temporary = wide * next(row_blocks(shape, limit))[1] if wide else 0  # largest: the first
         if bf16 and whole is None:
             # One element (0-d included): the whole conversion itself, whichever kernel it takes.
             source = src.float().bfloat16().permute(order)
-            bf16 = False
+            bf16, temporary = False, (wide + 2) * n
+        recorder = reports.active()
+        if recorder is not None:
+            recorder.uploaded(n * size, temporary)
         with torch.no_grad():
             for start, count, index in row_blocks(shape, limit):
                 buf = self._take(count * size).view(dst.dtype)
