@@ -43,9 +43,11 @@ Usage (from the repository root):
     python benchmarks/trainer_resume.py --device cpu --size tiny --out F  # the CPU stand-in
 
 ``--device cpu`` runs the same frameworks on the CPU (gloo) with the CPU stand-in of TE from
-tests/standin.py, and records no GPU numbers: it checks the harness and the bit equality. World
-size 2 needs 2 GPUs (``--world-sizes 1`` runs the single-device ones only). Exits 2 when the
-device's requirements are missing, 1 when a worker failed or a check did not hold.
+tests/standin.py, and records no GPU numbers: it checks the harness and the bit equality
+(accelerate's FSDP2 included: the script lets accelerate use its FSDP plugin on CPU processes,
+which it otherwise ignores there). On CUDA, world size 2 needs 2 GPUs (``--world-sizes 1`` runs
+the single-device ones only). Exits 2 when the device's requirements are missing, 1 when a worker
+failed or a check did not hold.
 """
 
 from __future__ import annotations
@@ -80,7 +82,6 @@ CONFIGS = {
         "fabric/ddp",
     ),
 }
-GPU_ONLY = ("transformers/fsdp2_sharded", "transformers/fsdp2_full")
 # Llama shapes: "default" has 168M params (336 MB in BF16; 1.35 GB of TE states; a 2 GB FP32
 # optimizer checkpoint); "tiny" is for the CPU check.
 SIZES = {
@@ -413,19 +414,27 @@ def fingerprint(optimizer: Any) -> dict[str, Any]:
     for g, group in enumerate(opt.param_groups):
         for key, value in group.items():
             if key != "params":
-                out[f"group.{g}.{key}"] = float(value) if torch.is_tensor(value) else value
+                # repr: the type counts too (a tuple is not a list, 1 is not 1.0).
+                out[f"group.{g}.{key}"] = (
+                    f"tensor({value.tolist()!r}, {value.dtype})"
+                    if torch.is_tensor(value)
+                    else repr(value)
+                )
     return out
 
 
 def differing(ours: dict[str, Any], ref: dict[str, Any]) -> list[str]:
+    """The keys that differ; a hyperparameter's key comes with both values (ours, then ref's)."""
     if ours.keys() != ref.keys():
         return sorted(set(ours) ^ set(ref))
     bad = []
     for key, value in ref.items():
         other = ours[key]
-        same = torch.equal(other, value) if torch.is_tensor(value) else other == value
-        if not same:
-            bad.append(key)
+        if torch.is_tensor(value):
+            if not torch.equal(other, value):
+                bad.append(key)
+        elif other != value:
+            bad.append(f"{key}: {other} != {value}")
     return bad
 
 
@@ -473,6 +482,33 @@ class Run:
 # --- Transformers ---------------------------------------------------------------------------------
 
 
+def _accelerate_fsdp_on_cpu() -> None:
+    """Lets accelerate run its FSDP2 plugin on CPU processes (gloo), for ``--device cpu``.
+
+    accelerate turns an FSDP plugin into ``DistributedType.FSDP`` only on accelerators; on CPU
+    processes it ignores the plugin and trains with DDP. FSDP2 itself (``fully_shard`` on a CPU
+    mesh) runs on gloo, so after accelerate's own setup this marks a multi-CPU state that was
+    given a plugin as FSDP, the rest of accelerate's FSDP2 code path unchanged.
+    """
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    init = AcceleratorState.__init__
+    if getattr(init, "_fsdp_on_cpu", False):
+        return
+
+    def patched(self: Any, *args: Any, fsdp_plugin: Any = None, **kwargs: Any) -> None:
+        init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+            self.fsdp_plugin = fsdp_plugin
+            # As accelerate does for the types it sets (later AcceleratorState() calls copy it).
+            PartialState._shared_state["distributed_type"] = self.distributed_type
+
+    patched._fsdp_on_cpu = True  # type: ignore[attr-defined]
+    AcceleratorState.__init__ = patched  # type: ignore[method-assign]
+
+
 def _reset_accelerate(fsdp: bool) -> None:
     # Each Trainer below builds its own Accelerator (DDP, then FSDP2 with another plugin) in this
     # process; accelerate keeps one shared state per process, so it is reset in between (the
@@ -517,6 +553,8 @@ def run_transformers(env: Env, variant: str) -> None:
             **extra,
         )
 
+    if variant.startswith("fsdp2") and not env.cuda:
+        _accelerate_fsdp_on_cpu()
     data = [{"input_ids": t, "labels": t} for t in tokens(env)]
     optimizer = (env.optimizer_cls, env.optimizer_kwargs)
     out = env.fresh_dir(f"transformers_{variant}")
@@ -1013,11 +1051,7 @@ def main(argv: list[str] | None = None) -> int:
     failures: list[str] = []
     with tempfile.TemporaryDirectory() as scratch:
         for world in worlds:
-            configs = [
-                c
-                for c in CONFIGS[world]
-                if (not chosen or c in chosen) and (args.device == "cuda" or c not in GPU_ONLY)
-            ]
+            configs = [c for c in CONFIGS[world] if not chosen or c in chosen]
             if not configs:
                 continue
             for partial in launch(args, world, configs, Path(scratch)):

@@ -499,19 +499,35 @@ def fsdp2_rank(rank: int, port: int, out: str, state_dict_type: str) -> None:
             optimizer.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
             return model, optimizer, steps
 
-        def fingerprint(optimizer: Any) -> list[tuple[str, torch.Tensor]]:
+        def fingerprint(optimizer: Any) -> list[tuple[str, Any]]:
+            """Every state's bits, and every hyperparameter as ``repr`` (so types count too:
+            torch's full-state load turns a group's tuples into lists)."""
             params = [p for g in optimizer.param_groups for p in g["params"]]
-            return [
+            states: list[tuple[str, Any]] = [
                 (f"{i}.{name}", bits(local(value)))
                 for i, p in enumerate(params)
                 for name, value in sorted(optimizer.state[p].items())
             ]
+            groups = [
+                (f"group.{g}.{key}", repr(value))
+                for g, group in enumerate(optimizer.param_groups)
+                for key, value in sorted(group.items())
+                if key != "params"
+            ]
+            return states + groups
+
+        def states(fingerprinted: list[Any]) -> list[Any]:
+            return [(k, v) for k, v in fingerprinted if not k.startswith("group.")]
 
         def differing(ours: list[Any], ref: list[Any]) -> list[str]:
-            """The states that differ (all of them when the lists do not line up)."""
+            """The entries that differ (all of them when the lists do not line up)."""
             if [k for k, _ in ours] != [k for k, _ in ref]:
                 return [k for k, _ in ref]
-            return [k for (k, a), (_, b) in zip(ours, ref, strict=True) if not torch.equal(a, b)]
+            return [
+                k
+                for (k, a), (_, b) in zip(ours, ref, strict=True)
+                if not (torch.equal(a, b) if torch.is_tensor(a) else a == b)
+            ]
 
         model, optimizer, _ = build()
         train(optimizer, steps=2)
@@ -550,7 +566,8 @@ def fsdp2_rank(rank: int, port: int, out: str, state_dict_type: str) -> None:
             hf._resume_optimizer_and_scheduler(fake_trainer(model, optimizer), original, str(ckpt))
         results["placed_steps"] = len(steps)
         results["placed_equal_plain"] = differing(fingerprint(optimizer), plain) or True
-        results["plain_equal_saved"] = differing(plain, saved) or True
+        results["plain_equal_saved"] = differing(states(plain), states(saved)) or True
+        results["plain_groups"] = [v for k, v in plain if k.startswith("group.")]
         results["original_called"] = len(called)
 
         if state_dict_type == "FULL_STATE_DICT":
