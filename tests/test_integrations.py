@@ -638,3 +638,50 @@ def test_load_full_equals_torchs_full_state_load(tmp_path: Path) -> None:
         assert _loaded(ours) == before
     finally:
         dist.destroy_process_group()
+
+
+# --- resume: the host's threads shared among its ranks --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("cpus", "local", "before", "inside"),
+    [
+        (8, "2", 8, 4),  # torch's default on a host shared by 2 ranks: halved
+        (8, "4", 8, 2),
+        (8, "2", 3, 3),  # already within the share: unchanged
+        (8, "", 8, 8),  # one rank per host
+        (3, "4", 8, 1),  # at least one
+    ],
+)
+def test_shared_host_threads_caps_at_the_ranks_share_and_restores(
+    monkeypatch: pytest.MonkeyPatch, cpus: int, local: str, before: int, inside: int
+) -> None:
+    from te_ckpt_placement.integrations import _resume
+
+    monkeypatch.setattr(_resume, "available_cpus", lambda: cpus)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+    original = torch.get_num_threads()
+    try:
+        torch.set_num_threads(before)
+        with _resume.shared_host_threads() as used:
+            assert used == inside == torch.get_num_threads()
+        assert torch.get_num_threads() == before
+        with pytest.raises(KeyError), _resume.shared_host_threads():
+            raise KeyError("an error inside")
+        assert torch.get_num_threads() == before
+    finally:
+        torch.set_num_threads(original)
+
+
+@pytest.mark.parametrize("bad", ["0", "two", "-1"])
+def test_shared_host_threads_rejects_a_bad_local_world_size(
+    monkeypatch: pytest.MonkeyPatch, bad: str
+) -> None:
+    from te_ckpt_placement.integrations import _resume
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", bad)
+    before = torch.get_num_threads()
+    with pytest.raises(ValueError, match=rf"LOCAL_WORLD_SIZE='{bad}' is not a positive integer"):
+        with _resume.shared_host_threads():
+            pass
+    assert torch.get_num_threads() == before

@@ -420,6 +420,40 @@ def test_resume_reads_optimizer_pt_into_host_memory(
     assert adam_steps(resumed.optimizer) == {4}
 
 
+@pytest.mark.parametrize("cls", [Trainer, hf.PlacementTrainer])
+def test_resume_loads_with_the_ranks_share_of_host_threads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cls: type
+) -> None:
+    # Every rank of the host converts its checkpoint at once: torch's default thread count on
+    # each made two ranks' OpenMP teams spin against each other (HF DDP placed resume slower
+    # than Transformers' own on 2 H200s). The placed resume caps the count at the rank's share,
+    # restored afterwards; Transformers' own resume is left as it is.
+    from te_ckpt_placement.integrations import _resume
+
+    make_trainer(tmp_path, CallLog(), cls=hf.PlacementTrainer).train()
+    resumed = make_trainer(tmp_path, CallLog(), cls=cls)
+    resumed.create_optimizer_and_scheduler(num_training_steps=6)
+    seen: list[int] = []
+    load = resumed.optimizer.load_state_dict
+
+    def counted(state_dict: Any) -> Any:
+        seen.append(torch.get_num_threads())
+        return load(state_dict)
+
+    resumed.optimizer.load_state_dict = counted
+    monkeypatch.setattr(_resume, "available_cpus", lambda: 4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        resumed._load_optimizer_and_scheduler(str(tmp_path / "checkpoint-4"))
+        assert torch.get_num_threads() == 4  # restored
+    finally:
+        torch.set_num_threads(before)
+    assert seen == ([4] if cls is Trainer else [2])
+    assert adam_steps(resumed.optimizer) == {4}
+
+
 def test_resume_with_placement_none_is_transformers_own(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
