@@ -29,23 +29,34 @@ strategy's ``load_checkpoint`` (Fabric, inside ``fabric.load``, before its closi
 - ``peak_extra_host_bytes``: peak process RSS above the start (sampled every millisecond; file
   pages of a memory-mapped checkpoint count);
 - ``seconds``: wall time of the measured part;
+- ``torch_threads``: torch's intra-op thread count as the window began;
+- ``breakdown`` (Transformers): seconds inside each ``torch.load`` (by file), the optimizer's
+  ``load_state_dict``, ``get_``/``set_optimizer_state_dict`` and ``dcp.load``, with torch's
+  thread count at each call (the placed resume caps it at the rank's share of the CPUs);
 - ``states_equal_plain`` (``placement_cpu`` only): every resumed optimizer state, scale and
-  hyperparameter equals the ``te_default`` resume's, bit for bit.
+  hyperparameter (its ``repr``: types count) equals the ``te_default`` resume's, bit for bit.
 
-On the GPU every window records the CUDA allocator's history (Python stacks, in both modes);
-a ``placement_cpu`` record whose window allocated beyond what it kept carries
+On the GPU a window first waits until the allocated bytes stop changing (``settle_seconds``: a
+NCCL barrier's block is freed by the watchdog thread after the barrier returned), then records
+the CUDA allocator's history (Python stacks of allocations and frees, in both modes); a
+``placement_cpu`` record whose window allocated beyond what it kept carries
 ``peak_allocations`` (Lightning's checkpoint read: ``read_peak_allocations``): the allocations
-alive at the peak, temporaries and retained, largest first, with their stacks. The save that
-makes the checkpoint is measured the same way (``op="trainer_save"``, ``placement_cpu`` only).
+alive at the peak, temporaries and retained, largest first, with their stacks, and the blocks
+allocated before the window that it freed (``freed_from_before``). The save that makes the
+checkpoint is measured the same way (``op="trainer_save"``, ``placement_cpu`` only). The summary
+gives each configuration's placed/plain time ratio; ``placed_slower_than_plain`` lists those above
+1 on GPUs (reported, not failures).
 
 Usage (from the repository root):
     python benchmarks/trainer_resume.py --out FILE.json                  # GPUs, TE required
     python benchmarks/trainer_resume.py --device cpu --size tiny --out F  # the CPU stand-in
 
 ``--device cpu`` runs the same frameworks on the CPU (gloo) with the CPU stand-in of TE from
-tests/standin.py, and records no GPU numbers: it checks the harness and the bit equality. World
-size 2 needs 2 GPUs (``--world-sizes 1`` runs the single-device ones only). Exits 2 when the
-device's requirements are missing, 1 when a worker failed or a check did not hold.
+tests/standin.py, and records no GPU numbers: it checks the harness and the bit equality
+(accelerate's FSDP2 included: the script lets accelerate use its FSDP plugin on CPU processes,
+which it otherwise ignores there). On CUDA, world size 2 needs 2 GPUs (``--world-sizes 1`` runs
+the single-device ones only). Exits 2 when the device's requirements are missing, 1 when a worker
+failed or a check did not hold.
 """
 
 from __future__ import annotations
@@ -80,7 +91,6 @@ CONFIGS = {
         "fabric/ddp",
     ),
 }
-GPU_ONLY = ("transformers/fsdp2_sharded", "transformers/fsdp2_full")
 # Llama shapes: "default" has 168M params (336 MB in BF16; 1.35 GB of TE states; a 2 GB FP32
 # optimizer checkpoint); "tiny" is for the CPU check.
 SIZES = {
@@ -135,6 +145,28 @@ def _current() -> int:
     return torch.cuda.current_device()
 
 
+def _settle_allocations(quiet: float = 0.3, limit: float = 2.0) -> float:
+    """Waits until this device's allocated bytes stop changing for ``quiet`` seconds (at most
+    ``limit``); returns the seconds waited.
+
+    A NCCL collective's tensors are freed by the process group's watchdog thread some time after
+    the collective completed: a barrier just before a window (accelerate's
+    ``wait_for_everyone()`` ends ``load_fsdp_model``, right before the optimizer's resume)
+    would free its 512-byte block inside the window, and the window would count it as a peak
+    above what it leaves allocated.
+    """
+    start = last_change = time.perf_counter()
+    last = torch.cuda.memory_allocated()
+    while True:
+        now = time.perf_counter()
+        if now - last_change >= quiet or now - start >= limit:
+            return now - start
+        time.sleep(0.02)
+        current = torch.cuda.memory_allocated()
+        if current != last:
+            last, last_change = current, time.perf_counter()
+
+
 def _window_start_marker() -> None:
     # An allocation whose stack names this function marks the start of a window in the trace.
     marker = torch.empty(1, device="cuda")
@@ -159,9 +191,12 @@ class Window:
         gc.collect()
         if self.cuda:
             torch.cuda.synchronize()
+            self.result["settle_seconds"] = _settle_allocations()
             torch.cuda.memory._record_memory_history(None)
+            # context="all": frees carry their stacks too (a block allocated before the window
+            # and freed in it lowers what the window leaves allocated; see peak_allocations).
             torch.cuda.memory._record_memory_history(
-                "all", context="alloc", stacks="python", max_entries=500_000
+                "all", context="all", stacks="python", max_entries=500_000
             )
             _window_start_marker()
             self.base = torch.cuda.memory_allocated()
@@ -172,6 +207,7 @@ class Window:
             self.other_base = {d: torch.cuda.memory_allocated(d) for d in self.others}
             for d in self.others:
                 torch.cuda.reset_peak_memory_stats(d)
+        self.result["torch_threads"] = torch.get_num_threads()
         self.host_base = _statm()[0]
         self._host = _HostPeak().__enter__()
         self.start = time.perf_counter()
@@ -218,17 +254,22 @@ def _short_stack(frames: list[dict[str, Any]], depth: int = 8) -> list[str]:
 
 def peak_allocations(snapshot: Any, device: int, limit: int = 12) -> dict[str, Any]:
     """What was alive at the window's allocation peak: the temporaries (freed by the end) and
-    the retained allocations, largest first, with their stacks."""
+    the retained allocations, largest first, with their stacks; and the blocks allocated before
+    the window that it freed (with the stacks of their frees)."""
     trace = snapshot["device_traces"][device]
-    start = 0
+    start = marker = None
     for i, event in enumerate(trace):
         names = {f.get("name") for f in event.get("frames", [])}
         if event.get("action") == "alloc" and "_window_start_marker" in names:
-            start = i + 1
+            start, marker = i + 1, event["addr"]
     live: dict[int, tuple[int, dict[str, Any]]] = {}
     total = best = 0
     at_peak: dict[int, dict[str, Any]] = {}
-    for i, event in enumerate(trace[start:], start):
+    # Blocks allocated before the window and freed in it: the allocator's peak counts them, what
+    # the window leaves allocated does not, so they show as peak_extra_gpu_bytes without any
+    # allocation of the window being alive.
+    freed_from_before: list[dict[str, Any]] = []
+    for i, event in enumerate(trace[start or 0 :], start or 0):
         action = event.get("action")
         if action == "alloc":
             live[event["addr"]] = (i, event)
@@ -236,8 +277,13 @@ def peak_allocations(snapshot: Any, device: int, limit: int = 12) -> dict[str, A
             if total > best:
                 best = total
                 at_peak = {j: e for j, e in live.values()}
-        elif action == "free_requested" and event["addr"] in live:
-            total -= live.pop(event["addr"])[1]["size"]
+        elif action == "free_requested":
+            if event["addr"] in live:
+                total -= live.pop(event["addr"])[1]["size"]
+            elif event["addr"] == marker:
+                marker = None  # the marker's own free
+            else:
+                freed_from_before.append(event)
     remaining = {j for j, _ in live.values()}
 
     def listed(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -251,7 +297,76 @@ def peak_allocations(snapshot: Any, device: int, limit: int = 12) -> dict[str, A
         "retained_bytes": sum(e["size"] for e in retained),
         "temporaries": listed(temporaries),
         "retained": listed(retained)[: limit // 2],
+        "freed_from_before_bytes": sum(e["size"] for e in freed_from_before),
+        "freed_from_before": listed(freed_from_before),
+        # False: the trace lost the window's start (max_entries), and all of it was read.
+        "window_start_found": start is not None,
+        "trace_entries": len(trace),
     }
+
+
+class Timed:
+    """Seconds spent in some functions during a ``with`` block, by name (nested calls counted
+    in each), and torch's intra-op thread count at each call; the functions are patched
+    attributes of modules or instances, restored on exit."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.threads: dict[str, int] = {}
+        self._undo: list[tuple[Any, str, Any, bool]] = []
+
+    def wrap(self, owner: Any, attr: str, name: Callable[..., str] | str) -> None:
+        original = getattr(owner, attr)
+        own = attr in getattr(owner, "__dict__", {})
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            key = name(*args, **kwargs) if callable(name) else name
+            self.threads[key] = torch.get_num_threads()
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - start
+
+        setattr(owner, attr, timed)
+        self._undo.append((owner, attr, original, own))
+
+    def __enter__(self) -> Timed:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, attr, original, own in reversed(self._undo):
+            if own:
+                setattr(owner, attr, original)
+            else:
+                delattr(owner, attr)
+        self._undo.clear()
+
+    def result(self) -> dict[str, Any]:
+        return {
+            "seconds": {k: round(v, 6) for k, v in sorted(self.seconds.items())},
+            "torch_threads": dict(sorted(self.threads.items())),
+        }
+
+
+def _loaded_file(f: Any, *args: Any, **kwargs: Any) -> str:
+    # DCP's reads load from file objects: counted together.
+    return f"torch.load {Path(f).name}" if isinstance(f, (str, os.PathLike)) else "torch.load (io)"
+
+
+def timed_optimizer_load(optimizer: Any) -> Timed:
+    """A :class:`Timed` for a Transformers resume: every ``torch.load`` (by file name), the
+    optimizer's ``load_state_dict``, and torch's and DCP's FSDP2 calls."""
+    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint.state_dict as dsd
+
+    timed = Timed()
+    timed.wrap(torch, "load", _loaded_file)
+    timed.wrap(optimizer, "load_state_dict", "optimizer.load_state_dict")
+    timed.wrap(dsd, "get_optimizer_state_dict", "get_optimizer_state_dict")
+    timed.wrap(dsd, "set_optimizer_state_dict", "set_optimizer_state_dict")
+    timed.wrap(dcp, "load", "dcp.load")
+    return timed
 
 
 # --- models, optimizers, state fingerprints ------------------------------------------------------
@@ -413,19 +528,27 @@ def fingerprint(optimizer: Any) -> dict[str, Any]:
     for g, group in enumerate(opt.param_groups):
         for key, value in group.items():
             if key != "params":
-                out[f"group.{g}.{key}"] = float(value) if torch.is_tensor(value) else value
+                # repr: the type counts too (a tuple is not a list, 1 is not 1.0).
+                out[f"group.{g}.{key}"] = (
+                    f"tensor({value.tolist()!r}, {value.dtype})"
+                    if torch.is_tensor(value)
+                    else repr(value)
+                )
     return out
 
 
 def differing(ours: dict[str, Any], ref: dict[str, Any]) -> list[str]:
+    """The keys that differ; a hyperparameter's key comes with both values (ours, then ref's)."""
     if ours.keys() != ref.keys():
         return sorted(set(ours) ^ set(ref))
     bad = []
     for key, value in ref.items():
         other = ours[key]
-        same = torch.equal(other, value) if torch.is_tensor(value) else other == value
-        if not same:
-            bad.append(key)
+        if torch.is_tensor(value):
+            if not torch.equal(other, value):
+                bad.append(key)
+        elif other != value:
+            bad.append(f"{key}: {other} != {value}")
     return bad
 
 
@@ -473,6 +596,33 @@ class Run:
 # --- Transformers ---------------------------------------------------------------------------------
 
 
+def _accelerate_fsdp_on_cpu() -> None:
+    """Lets accelerate run its FSDP2 plugin on CPU processes (gloo), for ``--device cpu``.
+
+    accelerate turns an FSDP plugin into ``DistributedType.FSDP`` only on accelerators; on CPU
+    processes it ignores the plugin and trains with DDP. FSDP2 itself (``fully_shard`` on a CPU
+    mesh) runs on gloo, so after accelerate's own setup this marks a multi-CPU state that was
+    given a plugin as FSDP, the rest of accelerate's FSDP2 code path unchanged.
+    """
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    init = AcceleratorState.__init__
+    if getattr(init, "_fsdp_on_cpu", False):
+        return
+
+    def patched(self: Any, *args: Any, fsdp_plugin: Any = None, **kwargs: Any) -> None:
+        init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+            self.fsdp_plugin = fsdp_plugin
+            # As accelerate does for the types it sets (later AcceleratorState() calls copy it).
+            PartialState._shared_state["distributed_type"] = self.distributed_type
+
+    patched._fsdp_on_cpu = True  # type: ignore[attr-defined]
+    AcceleratorState.__init__ = patched  # type: ignore[method-assign]
+
+
 def _reset_accelerate(fsdp: bool) -> None:
     # Each Trainer below builds its own Accelerator (DDP, then FSDP2 with another plugin) in this
     # process; accelerate keeps one shared state per process, so it is reset in between (the
@@ -517,6 +667,8 @@ def run_transformers(env: Env, variant: str) -> None:
             **extra,
         )
 
+    if variant.startswith("fsdp2") and not env.cuda:
+        _accelerate_fsdp_on_cpu()
     data = [{"input_ids": t, "labels": t} for t in tokens(env)]
     optimizer = (env.optimizer_cls, env.optimizer_kwargs)
     out = env.fresh_dir(f"transformers_{variant}")
@@ -532,8 +684,11 @@ def run_transformers(env: Env, variant: str) -> None:
 
     class ResumeMeasured:
         def _load_optimizer_and_scheduler(self, checkpoint: Any) -> Any:
-            with Window(env.cuda, diagnose=isinstance(self, PlacementTrainer)) as window:
-                result = super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
+            diagnose = isinstance(self, PlacementTrainer)
+            with timed_optimizer_load(self.optimizer) as timed:  # type: ignore[attr-defined]
+                with Window(env.cuda, diagnose=diagnose) as window:
+                    result = super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
+            window.result["breakdown"] = timed.result()
             holder["window"] = window
             holder["fp"] = fingerprint(self.optimizer)  # type: ignore[attr-defined]
             return result
@@ -790,6 +945,23 @@ RUNNERS: dict[str, Callable[[Env, str], None]] = {
 # --- processes ----------------------------------------------------------------------------------
 
 
+def _physical_cores() -> int | None:
+    """Distinct (package, core) pairs in /proc/cpuinfo; None where it does not say."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    cores = set()
+    for block in text.split("\n\n"):
+        fields = dict(
+            (k.strip(), v.strip())
+            for k, _, v in (line.partition(":") for line in block.split("\n"))
+        )
+        if "core id" in fields:
+            cores.add((fields.get("physical id"), fields["core id"]))
+    return len(cores) or None
+
+
 def environment(device: str) -> dict[str, Any]:
     """Hardware and versions, for the results file."""
     from importlib.metadata import PackageNotFoundError, version
@@ -804,6 +976,12 @@ def environment(device: str) -> dict[str, Any]:
         "device": device,
         "python": platform.python_version(),
         "host_cpus": os.cpu_count(),
+        "cpus_available": len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else None,
+        "physical_cores": _physical_cores(),
+        "torch_threads": torch.get_num_threads(),  # what a worker starts with
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
         "versions": versions,
     }
     if device == "cuda":
@@ -939,6 +1117,11 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                         "te_default": plain["peak_extra_gpu_bytes"],
                         "placement_cpu": placed["peak_extra_gpu_bytes"],
                     },
+                    # torch's threads as each resume began (the placed load may cap them).
+                    "torch_threads": {m: modes[m].get("torch_threads") for m in MODES},
+                    "breakdown": {
+                        m: modes[m]["breakdown"] for m in MODES if "breakdown" in modes[m]
+                    },
                 }
             )
     return out
@@ -1013,11 +1196,7 @@ def main(argv: list[str] | None = None) -> int:
     failures: list[str] = []
     with tempfile.TemporaryDirectory() as scratch:
         for world in worlds:
-            configs = [
-                c
-                for c in CONFIGS[world]
-                if (not chosen or c in chosen) and (args.device == "cuda" or c not in GPU_ONLY)
-            ]
+            configs = [c for c in CONFIGS[world] if not chosen or c in chosen]
             if not configs:
                 continue
             for partial in launch(args, world, configs, Path(scratch)):
@@ -1044,6 +1223,14 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summarize(records),
         "failures": failures,
     }
+    # The placed resume must not be slower than the plain one (reported, not a failure: one
+    # run's timing; on GPUs only, the CPU check's resumes take milliseconds).
+    result["placed_slower_than_plain"] = [
+        f"{line['framework']}/{line['variant']} rank {line['rank']}: "
+        f"{line['seconds_placed_over_plain']:.2f}x"
+        for line in result["summary"]
+        if line["seconds_placed_over_plain"] > 1 and args.device == "cuda"
+    ]
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")
@@ -1051,9 +1238,14 @@ def main(argv: list[str] | None = None) -> int:
     for line in result["summary"]:
         print(
             f"{line['framework']:<12} {line['variant']:<14} rank {line['rank']}: placed/plain time "
-            f"{line['seconds_placed_over_plain']:.2f}, GPU extra {line['peak_extra_gpu_bytes']}",
+            f"{line['seconds_placed_over_plain']:.2f}, GPU extra {line['peak_extra_gpu_bytes']}, "
+            f"threads {line['torch_threads']}",
             flush=True,
         )
+        for mode, parts in line["breakdown"].items():
+            print(f"    {mode:<14} {parts['seconds']} threads {parts['torch_threads']}", flush=True)
+    for slower in result["placed_slower_than_plain"]:
+        print(f"SLOWER placed than plain: {slower}", flush=True)
     for failure in failures:
         print(f"FAILED: {failure}", file=sys.stderr, flush=True)
     return 1 if failures else 0

@@ -4,8 +4,9 @@ Runs ``benchmarks/trainer_resume.py`` once (world size 1, and 2 when two GPUs ar
 Transformers (one GPU, DDP, accelerate FSDP2 sharded and full state dict), Lightning and Fabric
 (one GPU, DDP), each resumed from the same checkpoint without (``te_default``) and with
 (``placement_cpu``) the integration. For every configuration and rank the placed resume must
-leave ``peak_extra_gpu_bytes == 0`` and resume exactly the plain resume's optimizer states; the
-plain resume must show temporaries (so the measurement can see them).
+leave ``peak_extra_gpu_bytes == 0`` and resume exactly the plain resume's optimizer states; where
+the framework's own resume puts the checkpoint or templates on the GPU, the plain resume must show
+them (so the measurement can see them).
 
 The records go to ``$TE_CKPT_TRAINER_RESULTS``, else ``$OUT/trainer_resume.json`` when ``OUT`` is
 set, else a temporary directory.
@@ -75,6 +76,13 @@ def records(data: dict[str, Any], config: str, mode: str) -> list[dict[str, Any]
     ]
 
 
+# Where the framework's own resume puts more than the optimizer's states on the GPU (so the
+# measurement can be seen to see it): Transformers under DDP reads optimizer.pt onto the device;
+# accelerate's FSDP2 resume runs torch's fake step and loads through GPU templates. Transformers on
+# one device, Lightning and Fabric read the checkpoint to the host themselves (0 on 2 H200s).
+PLAIN_ALLOCATES = {"transformers/ddp", "transformers/fsdp2_sharded", "transformers/fsdp2_full"}
+
+
 def check(data: dict[str, Any], config: str, world_size: int) -> None:
     placed = records(data, config, "placement_cpu")
     plain = records(data, config, "te_default")
@@ -86,8 +94,9 @@ def check(data: dict[str, Any], config: str, world_size: int) -> None:
         assert record["peak_extra_gpu_bytes"] == 0, record
         assert record["peak_extra_gpu_bytes_other_devices"] == 0, record
         assert record["live_state_bytes"] > 0, record
-    for record in plain:
-        assert record["peak_extra_gpu_bytes"] > 0, record
+    if config in PLAIN_ALLOCATES:
+        for record in plain:
+            assert record["peak_extra_gpu_bytes"] > 0, record
 
 
 @pytest.mark.gpu

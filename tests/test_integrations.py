@@ -554,3 +554,134 @@ def test_place_methods_takes_bare_names_as_optional_methods() -> None:
     with pytest.warns(RuntimeWarning, match=r"Saver has no absent"):
         assert place_methods(saver, ("save", "absent"), "cpu") == ("save",)
     assert saver.save(1) == (1, CPU)
+
+
+# --- resume: an FSDP2 FULL_STATE_DICT load that equals torch's -----------------------------------
+
+
+def _two_group_adam(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Linear(4, 3))
+    optimizer = torch.optim.Adam(
+        [
+            {"params": model[0].parameters(), "lr": 1e-2},
+            {"params": model[1].parameters(), "lr": 1e-3, "betas": (0.8, 0.99)},
+        ]
+    )
+    return model, optimizer
+
+
+def _loaded(optimizer: torch.optim.Optimizer) -> list[tuple[str, Any]]:
+    """Every state's bits and every hyperparameter's ``repr`` (types count: tuple vs list)."""
+    from .helpers import bits
+
+    sd = optimizer.state_dict()
+    states = [
+        (f"{i}.{name}", bytes(bits(value).numpy()), value.dtype, value.device, value.shape)
+        for i, entry in sorted(sd["state"].items())
+        for name, value in sorted(entry.items())
+    ]
+    groups = [(i, repr(sorted(group.items()))) for i, group in enumerate(sd["param_groups"])]
+    return [("states", s) for s in states] + [("group", g) for g in groups]
+
+
+def test_load_full_equals_torchs_full_state_load(tmp_path: Path) -> None:
+    # accelerate's FULL_STATE_DICT resume is torch's set_optimizer_state_dict(full_state_dict,
+    # broadcast_from_rank0); _resume.load_full must give the optimizer exactly what that gives,
+    # hyperparameters and their types included (torch hands back a group's tuples as lists),
+    # with saved groups matched by parameter FQN, a key the checkpoint lacks kept from the
+    # optimizer, one the checkpoint adds taken.
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    from te_ckpt_placement.integrations import _resume
+
+    if dist.is_initialized():
+        pytest.skip("needs its own one-rank process group")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        full_options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        model, optimizer = _two_group_adam(seed=0)
+        for _ in range(2):
+            model(torch.randn(2, 5)).sum().backward()
+            optimizer.step()
+        saved = get_optimizer_state_dict(model, optimizer, options=full_options)
+        saved["param_groups"].reverse()  # matched by FQN, not by position
+        saved["param_groups"][0]["added"] = (1, "two")
+        del saved["param_groups"][1]["maximize"]
+        assert isinstance(saved["param_groups"][0]["betas"], tuple)
+        path = tmp_path / "optimizer.bin"
+        torch.save(saved, path)
+
+        model, reference = _two_group_adam(seed=1)
+        set_optimizer_state_dict(
+            model, reference, torch.load(path, weights_only=True), options=full_options
+        )
+        model, ours = _two_group_adam(seed=1)
+        with _resume.host_group() as group:
+            assert _resume.load_full(model, ours, str(path), full_options, group)
+        assert _loaded(ours) == _loaded(reference)
+        assert isinstance(reference.param_groups[0]["betas"], list)  # what makes this test bite
+
+        # A state of another shape: an error naming it, and the optimizer unchanged.
+        bad = torch.load(path, weights_only=True)
+        bad["state"]["1.weight"]["exp_avg"] = torch.zeros(3, 3)
+        torch.save(bad, path)
+        before = _loaded(ours)
+        with _resume.host_group() as group:
+            with pytest.raises(ValueError, match=r"'exp_avg' of 1\.weight has shape \(3, 3\)"):
+                _resume.load_full(model, ours, str(path), full_options, group)
+        assert _loaded(ours) == before
+    finally:
+        dist.destroy_process_group()
+
+
+# --- resume: the host's threads shared among its ranks --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("cpus", "local", "before", "inside"),
+    [
+        (8, "2", 8, 4),  # torch's default on a host shared by 2 ranks: halved
+        (8, "4", 8, 2),
+        (8, "2", 3, 3),  # already within the share: unchanged
+        (8, "", 8, 8),  # one rank per host
+        (3, "4", 8, 1),  # at least one
+    ],
+)
+def test_shared_host_threads_caps_at_the_ranks_share_and_restores(
+    monkeypatch: pytest.MonkeyPatch, cpus: int, local: str, before: int, inside: int
+) -> None:
+    from te_ckpt_placement.integrations import _resume
+
+    monkeypatch.setattr(_resume, "available_cpus", lambda: cpus)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+    original = torch.get_num_threads()
+    try:
+        torch.set_num_threads(before)
+        with _resume.shared_host_threads() as used:
+            assert used == inside == torch.get_num_threads()
+        assert torch.get_num_threads() == before
+        with pytest.raises(KeyError), _resume.shared_host_threads():
+            raise KeyError("an error inside")
+        assert torch.get_num_threads() == before
+    finally:
+        torch.set_num_threads(original)
+
+
+@pytest.mark.parametrize("bad", ["0", "two", "-1"])
+def test_shared_host_threads_rejects_a_bad_local_world_size(
+    monkeypatch: pytest.MonkeyPatch, bad: str
+) -> None:
+    from te_ckpt_placement.integrations import _resume
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", bad)
+    before = torch.get_num_threads()
+    with pytest.raises(ValueError, match=rf"LOCAL_WORLD_SIZE='{bad}' is not a positive integer"):
+        with _resume.shared_host_threads():
+            pass
+    assert torch.get_num_threads() == before

@@ -14,12 +14,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytest.importorskip("lightning")
 
-from benchmarks.trainer_resume import CONFIGS, GPU_ONLY
+from benchmarks.trainer_resume import CONFIGS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,8 +53,6 @@ def test_trainer_resume_harness_on_cpu(tmp_path: Path) -> None:
     resumes = [r for r in data["records"] if r["op"] == "trainer_resume"]
     for world, configs in CONFIGS.items():
         for config in configs:
-            if config in GPU_ONLY:
-                continue
             framework, variant = config.split("/")
             for rank in range(world):
                 modes = {
@@ -68,9 +67,7 @@ def test_trainer_resume_harness_on_cpu(tmp_path: Path) -> None:
                 assert placed["n_elements"] > 0 and placed["seconds"] > 0
                 assert placed["peak_extra_gpu_bytes"] is None  # no GPU here
     saves = [r for r in data["records"] if r["op"] == "trainer_save"]
-    assert len(saves) == sum(
-        w * len([c for c in cs if c not in GPU_ONLY]) for w, cs in CONFIGS.items()
-    )
+    assert len(saves) == sum(world * len(configs) for world, configs in CONFIGS.items())
     assert not list((tmp_path / "checkpoints").rglob("*.ckpt"))  # each configuration cleans up
 
 
@@ -88,7 +85,7 @@ def test_peak_allocations_from_an_allocator_trace() -> None:
         return {"action": "free_requested", "addr": addr, "size": size, "frames": []}
 
     trace = [
-        alloc(1, 512, "before"),  # an earlier window, ignored
+        alloc(1, 512, "before"),  # before the window: its free below is listed apart
         alloc(9, 512, "_window_start_marker"),
         free(9, 512),
         alloc(2, 4096, "state"),  # kept
@@ -97,10 +94,47 @@ def test_peak_allocations_from_an_allocator_trace() -> None:
         free(3, 8192),
         alloc(3, 2048, "late"),  # the same address again, after the peak, freed
         free(3, 2048),
-        free(1, 512),
+        {**free(1, 512), "frames": frames("release")},
     ]
     found = peak_allocations({"device_traces": [trace]}, 0)
     assert found["temporary_bytes"] == 8192
     assert found["retained_bytes"] == 4096 + 1024
     assert found["temporaries"] == [{"bytes": 8192, "stack": ["repo/pkg/cast.py:7 cast"]}]
     assert [r["bytes"] for r in found["retained"]] == [4096, 1024]
+    assert found["freed_from_before_bytes"] == 512
+    assert found["freed_from_before"] == [
+        {"bytes": 512, "stack": ["repo/pkg/release.py:7 release"]}
+    ]
+    assert found["window_start_found"] is True
+    assert found["trace_entries"] == len(trace)
+    # A trace that lost the window's start (its ring buffer overflowed) says so.
+    assert peak_allocations({"device_traces": [trace[2:]]}, 0)["window_start_found"] is False
+
+
+def test_timed_counts_calls_and_restores_what_it_wrapped() -> None:
+    import types
+
+    from benchmarks.trainer_resume import Timed
+
+    module = types.SimpleNamespace(work=lambda n: sum(range(n)))
+
+    class Thing:
+        def run(self, n: int) -> int:
+            return n + 1
+
+    thing = Thing()
+    real_work = module.work
+    with Timed() as timed:
+        timed.wrap(module, "work", "work")
+        timed.wrap(thing, "run", lambda n: f"run {n}")
+        assert module.work(1000) == sum(range(1000))
+        assert module.work(10) == 45
+        assert thing.run(3) == 4
+    assert module.work is real_work and "run" not in vars(thing)  # restored, nothing left
+    result = timed.result()
+    assert set(result["seconds"]) == {"work", "run 3"}
+    assert all(v >= 0 for v in result["seconds"].values())
+    assert result["torch_threads"] == {
+        "work": torch.get_num_threads(),
+        "run 3": torch.get_num_threads(),
+    }

@@ -11,7 +11,9 @@ integrations' answers:
   ``get_optimizer_state_dict``/``set_optimizer_state_dict`` skip their fake step (zero
   gradients for every parameter plus the step's temporaries, all on the GPU);
 - :func:`host_group`, :func:`load_sharded` and :func:`load_full`: an FSDP2 optimizer load
-  whose collectives and data stay in host memory.
+  whose collectives and data stay in host memory;
+- :func:`shared_host_threads`: torch's host threads capped at this process's share of the CPUs
+  while every rank of the host converts its checkpoint at once.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ __all__ = [
     "load_full",
     "load_sharded",
     "optimizers_in",
+    "shared_host_threads",
     "streaming",
 ]
 
@@ -57,6 +60,61 @@ def host_load(path: str | os.PathLike[str], *, mmap: bool, weights_only: bool | 
             if "mmap" not in str(exc):
                 raise
     return torch.load(path, map_location="cpu", weights_only=weights_only)
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, where the platform has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def local_world_size() -> int:
+    """How many ranks run on this host: ``LOCAL_WORLD_SIZE`` as torchrun and accelerate set it,
+    1 where it is not set.
+
+    Raises:
+        ValueError: ``LOCAL_WORLD_SIZE`` is set but is not a positive integer.
+    """
+    value = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    if not value:
+        return 1
+    try:
+        size = int(value)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise ValueError(
+            f"LOCAL_WORLD_SIZE={value!r} is not a positive integer (the number of ranks on this "
+            "host, as torchrun sets it); set it so, or unset it for one rank per host."
+        )
+    return size
+
+
+@contextlib.contextmanager
+def shared_host_threads() -> Iterator[int]:
+    """Caps torch's intra-op threads at ``available_cpus() // local_world_size()`` for the block.
+
+    A resume converts the checkpoint on the host (the streaming load's FP32-to-BF16 and scaling
+    passes), and every rank of the host does so at the same moment. torch's default thread
+    count is the whole host's, so two ranks run twice as many threads as there are CPUs, and
+    OpenMP's threads spin-wait at every parallel region's end for threads that are not running,
+    which makes the load several times slower. torchrun (``OMP_NUM_THREADS=1``), accelerate on
+    CPUs and Lightning give each local rank at most that share for the same reason. The count
+    is only lowered, never raised; the previous count is restored on exit. Yields the count
+    used inside the block. torch's count is per process: host work of other threads of this
+    process shares the cap while the block runs.
+    """
+    before = torch.get_num_threads()
+    share = max(1, available_cpus() // local_world_size())
+    if share >= before:
+        yield before
+        return
+    torch.set_num_threads(share)
+    try:
+        yield share
+    finally:
+        torch.set_num_threads(before)
 
 
 def _unwrap(optimizer: Any) -> Any:
@@ -179,45 +237,91 @@ def load_full(model: Any, optimizer: Any, path: str, options: Any, group: Any) -
     full = host_load(path, mmap=True)
     local = dataclasses.replace(options, full_state_dict=False, broadcast_from_rank0=False)
     template = get_optimizer_state_dict(model, optimizer, options=local)
-    _fill_from_full(template, full, path)
-    set_optimizer_state_dict(model, optimizer, template, options=local)
+    merged = _fill_from_full(template, full, path)
     del template, full
+    set_optimizer_state_dict(model, optimizer, merged, options=local)
+    del merged
     dist.barrier(group=group)
     return True
 
 
-def _fill_from_full(template: dict[str, Any], full: dict[str, Any], path: str) -> None:
-    """Copies each rank's shard of every state in ``full`` into ``template`` (same FQN keys).
+def _fill_from_full(template: dict[str, Any], full: dict[str, Any], path: str) -> dict[str, Any]:
+    """What torch's full-state load hands the optimizer, with each rank's shard copied on the host.
 
-    States the checkpoint lacks keep the template's value, as in torch's full-state load.
+    torch (``_load_optim_state_dict`` with ``full_state_dict``) matches the saved groups to the
+    optimizer's by parameter FQN, flattens the saved and the local state dicts into paths
+    (``_flatten_state_dict``: dicts, lists and tuples), lets each saved value replace the local
+    one and unflattens the local dict, so a group's tuples come back as lists (``betas``). This
+    does the same, except that a state tensor's shard is sliced from the mapped checkpoint into
+    the template's tensor instead of broadcast from rank 0 through GPU memory. Values the
+    checkpoint lacks keep the template's; saved tensors the template has no state for are left
+    out (every rank but 0 drops them in torch's broadcast load).
+
+    Raises:
+        ValueError: a state's global shape differs from the checkpoint's.
     """
+    from torch.distributed._state_dict_utils import _flatten_state_dict, _unflatten_state_dict
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    saved = full.get("state", {})
-    for fqn, states in template["state"].items():
-        source_states = saved.get(fqn)
-        if source_states is None:
+    saved_states = full.get("state", {})
+    saved = {
+        "state": {fqn: saved_states[fqn] for fqn in template["state"] if fqn in saved_states},
+        "param_groups": _groups_by_fqn(template["param_groups"], full.get("param_groups", [])),
+    }
+    flat_saved, saved_paths = _flatten_state_dict(saved)
+    flat, paths = _flatten_state_dict(template)
+    copies = []
+    for key, source in flat_saved.items():
+        if not (isinstance(source, torch.Tensor) and source.dim() > 0):
+            # torch: a 0-dim tensor moves to the CPU, anything else is taken as it is.
+            flat[key] = source.clone() if isinstance(source, torch.Tensor) else source
+            paths.setdefault(key, saved_paths[key])
             continue
-        for name, value in list(states.items()):
-            source = source_states.get(name)
-            if source is None:
-                continue
-            if not isinstance(value, torch.Tensor):
-                states[name] = source
-                continue
-            if tuple(source.shape) != tuple(value.shape):
-                raise ValueError(
-                    f"cannot load the optimizer checkpoint {path}: state {name!r} of {fqn} has "
-                    f"shape {tuple(source.shape)}, the model's {tuple(value.shape)}. Nothing "
-                    "was loaded; the optimizer is unchanged."
-                )
-            if isinstance(value, DTensor):
-                shape, offset = compute_local_shape_and_global_offset(
-                    value.shape, value.device_mesh, value.placements
-                )
-                index = tuple(slice(o, o + s) for s, o in zip(shape, offset, strict=True))
-                value.to_local().copy_(source[index])
-            else:
-                value.copy_(source)
-    template["param_groups"] = full["param_groups"]
+        value = flat.get(key)
+        if not isinstance(value, torch.Tensor):
+            continue
+        if tuple(source.shape) != tuple(value.shape):
+            *_, fqn, name = saved_paths[key]
+            raise ValueError(
+                f"cannot load the optimizer checkpoint {path}: state {name!r} of {fqn} has "
+                f"shape {tuple(source.shape)}, the model's {tuple(value.shape)}. Nothing "
+                "was loaded; the optimizer is unchanged."
+            )
+        copies.append((value, source))
+    for value, source in copies:
+        if isinstance(value, DTensor):
+            shape, offset = compute_local_shape_and_global_offset(
+                value.shape, value.device_mesh, value.placements
+            )
+            index = tuple(slice(o, o + s) for s, o in zip(shape, offset, strict=True))
+            value.to_local().copy_(source[index])
+        else:
+            value.copy_(source)
+    merged: dict[str, Any] = _unflatten_state_dict(flat, paths)
+    for group in merged.get("param_groups", []):
+        group.setdefault("params", [])  # torch's too: flattening drops empty lists
+    return merged
+
+
+def _groups_by_fqn(
+    groups: list[dict[str, Any]], saved: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The template's groups with the hyperparameters of the saved groups that hold their
+    parameters, as torch's ``_split_optim_state_dict`` matches them: a saved group goes to the
+    last template group sharing a parameter FQN with it, or, holding none, to the one template
+    group without parameters."""
+    owner = {fqn: i for i, group in enumerate(groups) for fqn in group["params"]}
+    empty = [i for i, group in enumerate(groups) if not group["params"]]
+    out: list[dict[str, Any]] = [{"params": list(group["params"])} for group in groups]
+    for group in saved:
+        fqns = group.get("params", [])
+        hits = [owner[fqn] for fqn in fqns if fqn in owner]
+        if hits:
+            index = max(hits)
+        elif not fqns and len(empty) == 1:
+            index = empty[0]
+        else:
+            continue
+        out[index].update((key, value) for key, value in group.items() if key != "params")
+    return out
