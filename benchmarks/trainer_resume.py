@@ -72,7 +72,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -108,37 +107,6 @@ def _ensure_root_on_path() -> None:
 
 
 # --- measurement ---------------------------------------------------------------------------------
-
-
-def _statm() -> tuple[int, int]:
-    """(resident, resident minus file-backed) bytes of this process."""
-    with open("/proc/self/statm") as f:
-        fields = f.read().split()
-    page = os.sysconf("SC_PAGE_SIZE")
-    return int(fields[1]) * page, (int(fields[1]) - int(fields[2])) * page
-
-
-class _HostPeak:
-    """Samples the process RSS in a thread; ``peak`` is the largest value seen."""
-
-    def __init__(self) -> None:
-        self.peak = _statm()[0]
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _statm()[0])
-            time.sleep(0.001)
-
-    def __enter__(self) -> _HostPeak:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _statm()[0])
 
 
 def _current() -> int:
@@ -208,8 +176,10 @@ class Window:
             for d in self.others:
                 torch.cuda.reset_peak_memory_stats(d)
         self.result["torch_threads"] = torch.get_num_threads()
-        self.host_base = _statm()[0]
-        self._host = _HostPeak().__enter__()
+        from benchmarks.export_memory import HostPeak, rss  # the package root is on the path
+
+        self.host_base = rss()
+        self._host = HostPeak().__enter__()
         self.start = time.perf_counter()
         return self
 
