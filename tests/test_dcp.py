@@ -53,8 +53,14 @@ from torch.distributed.tensor import DTensor
 from te_ckpt_placement import PassThroughStager, PlacedOptimizerState, export_placement
 from te_ckpt_placement.engine import is_exported
 
-from .helpers import assert_bit_equal, assert_same_export, assert_snapshot_equal, bits, local
-from .standin import StandInFusedAdam, make_optimizer, train
+from .support.helpers import (
+    assert_bit_equal,
+    assert_same_export,
+    assert_snapshot_equal,
+    bits,
+    local,
+)
+from .support.standin import StandInFusedAdam, make_optimizer, train
 from .test_dtensor import (
     WORLD,
     _by_position,

@@ -47,8 +47,8 @@ from te_ckpt_placement.dcp import (
     load_planner,
 )
 
-from .helpers import assert_bit_equal, assert_snapshot_equal, bits, local, snapshot
-from .standin import StandInFusedAdam, make_optimizer
+from .support.helpers import assert_bit_equal, assert_snapshot_equal, bits, local, snapshot
+from .support.standin import StandInFusedAdam, make_optimizer
 
 pytestmark = pytest.mark.usefixtures("hooked_standin")
 

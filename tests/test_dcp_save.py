@@ -42,9 +42,9 @@ from te_ckpt_placement.dcp import (
 from te_ckpt_placement.dcp import lazy_state as lazy_state_module
 from te_ckpt_placement.dcp.lazy_state import released_after_write
 
-from . import dcp_save_checks as checks
-from .helpers import assert_same_export, bits, local, snapshot
-from .standin import StandInFusedAdam, make_optimizer
+from .support import dcp_save_checks as checks
+from .support.helpers import assert_same_export, bits, local, snapshot
+from .support.standin import StandInFusedAdam, make_optimizer
 
 pytestmark = pytest.mark.usefixtures("hooked_standin")
 

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 
 from te_ckpt_placement import export_placement, te_hooks
 
-from .helpers import (
+from .support.helpers import (
     aliases_live,
     assert_bit_equal,
     assert_owns_storage,
@@ -35,7 +35,7 @@ from .helpers import (
     local,
     snapshot,
 )
-from .standin import StandInFusedAdam, make_optimizer, train
+from .support.standin import StandInFusedAdam, make_optimizer, train
 
 WORLD = 2
 MOMENTS = (torch.float32, torch.bfloat16, torch.float16)

@@ -11,8 +11,8 @@ import torch
 
 from te_ckpt_placement import Placement, current_placement, engine, export_placement, te_load
 
-from .helpers import assert_same_export, assert_snapshot_equal, snapshot
-from .standin import StandInFusedAdam, make_optimizer, train
+from .support.helpers import assert_same_export, assert_snapshot_equal, snapshot
+from .support.standin import StandInFusedAdam, make_optimizer, train
 
 pytestmark = pytest.mark.usefixtures("hooked_standin")
 

@@ -34,7 +34,7 @@ def te_optimizer(
     """TE's FusedAdam in the storage mode the stand-in's ``make_optimizer`` names."""
     from transformer_engine.pytorch.optimizers import FusedAdam
 
-    from .standin import storage_kwargs
+    from .support.standin import storage_kwargs
 
     return FusedAdam(params, lr=lr, **storage_kwargs(moments=moments, master=master))
 

@@ -33,7 +33,7 @@ def te_optimizer(
     """TE's FusedAdam in the storage mode the stand-in's ``make_optimizer`` names."""
     from transformer_engine.pytorch.optimizers import FusedAdam
 
-    from .standin import storage_kwargs
+    from .support.standin import storage_kwargs
 
     return FusedAdam(params, lr=lr, **storage_kwargs(moments=moments, master=master))
 
@@ -46,7 +46,7 @@ def _worker(rank: int, port: int, root: str) -> None:
 
     from te_ckpt_placement import install
 
-    from . import dcp_save_checks as checks
+    from .support import dcp_save_checks as checks
 
     torch.cuda.set_device(rank)
     dist.init_process_group(
@@ -82,7 +82,7 @@ def _worker(rank: int, port: int, root: str) -> None:
 def test_dcp_save_with_te_on_two_gpus(tmp_path: Path) -> None:
     import torch.multiprocessing as mp
 
-    from .dcp_save_checks import free_port
+    from .support.dcp_save_checks import free_port
 
     mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     for ckpt in ("streaming0_2_0", "more/streaming2_2_1", "snapshot2_1", "reshard_async"):

@@ -69,7 +69,7 @@ def worker(rank: int, port: int, results_path: str | None) -> None:
     from torch.distributed.tensor import DTensor
 
     from te_ckpt_placement import export_placement, install
-    from tests.helpers import assert_owns_storage, assert_same_export, peak_extra
+    from tests.support.helpers import assert_owns_storage, assert_same_export, peak_extra
 
     torch.cuda.set_device(rank)
     dist.init_process_group(

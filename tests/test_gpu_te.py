@@ -13,7 +13,7 @@ import torch
 from te_ckpt_placement import Placement, export_placement, install, te_contract, te_hooks
 from te_ckpt_placement.engine import materialize
 
-from .helpers import (
+from .support.helpers import (
     aliases_live,
     assert_owns_storage,
     assert_same_export,
@@ -24,7 +24,7 @@ from .helpers import (
     peak_extra,
     snapshot,
 )
-from .te_cases import FP8, FP16, MODES, Mode, make_params, make_te_optimizer, train
+from .support.te_cases import FP8, FP16, MODES, Mode, make_params, make_te_optimizer, train
 
 pytestmark = pytest.mark.gpu
 
@@ -165,7 +165,7 @@ def test_outside_policy_te_export_is_unchanged() -> None:
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
 def test_standin_matches_te(mode: Mode) -> None:
     """The CPU stand-in keeps TE's storage contract: same layout, same export, same load."""
-    from .standin import StandInFloat8, StandInFusedAdam
+    from .support.standin import StandInFloat8, StandInFusedAdam
 
     params = make_params(mode)
     opt = make_te_optimizer(mode, params)

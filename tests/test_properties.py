@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from te_ckpt_placement import export_placement
 
-from .helpers import assert_same_export, through_torch_save
-from .standin import StandInFusedAdam, train
+from .support.helpers import assert_same_export, through_torch_save
+from .support.standin import StandInFusedAdam, train
 from .test_faults import assert_view_equal, optimizer_view
 
 BF16, FP16, FP32, FP8 = torch.bfloat16, torch.float16, torch.float32, torch.uint8

@@ -3,7 +3,7 @@
 The scenarios run in fresh Python processes, because hooking TE's class, the import watcher and
 ``install()``/``uninstall()`` change global import state that the pytest process must not keep.
 The fake package has TE 2.20.2's module path and ``FusedAdam`` constructor signature over the CPU
-stand-in's storage (``tests/standin.py``). The processes are started together when the first
+stand-in's storage (``tests/support/standin.py``). The processes are started together when the first
 test needs one, so that their torch imports overlap.
 """
 
@@ -45,7 +45,7 @@ FAKE_FUSED_ADAM = '''\
 
 import torch
 
-from tests.standin import StandInFusedAdam
+from tests.support.standin import StandInFusedAdam
 
 
 class _StandInStorage(StandInFusedAdam):
@@ -194,7 +194,7 @@ from te_ckpt_placement import (
     te_hooks,
     uninstall,
 )
-from tests.helpers import (
+from tests.support.helpers import (
     aliases_live,
     assert_same_export,
     assert_snapshot_equal,
@@ -202,7 +202,7 @@ from tests.helpers import (
     live_storages,
     snapshot,
 )
-from tests.standin import train
+from tests.support.standin import train
 
 FAKE_VERSION = {FAKE_VERSION!r}
 DEADLOCK_S = {DEADLOCK_S!r}
