@@ -46,14 +46,10 @@ def build(moments: torch.dtype, seed: int) -> tuple[torch.nn.Module, Any]:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer)
     fully_shard(model)
-    opt = FusedAdam(
-        model.parameters(),
-        lr=1e-3,
-        master_weights=True,
-        store_param_remainders=moments == torch.bfloat16,
-        exp_avg_dtype=moments,
-        exp_avg_sq_dtype=moments,
-    )
+    from tests.support.storage import storage_kwargs
+
+    master = "remainder" if moments == torch.bfloat16 else "fp32"
+    opt = FusedAdam(model.parameters(), lr=1e-3, **storage_kwargs(moments=moments, master=master))
     for _ in range(3):
         x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
         model(x).float().pow(2).mean().backward()

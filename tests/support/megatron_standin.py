@@ -27,7 +27,8 @@ import torch
 
 from . import megatron_support
 from .megatron_verbatim import VerbatimDistributedOptimizer
-from .standin import StandInFusedAdam, storage_kwargs
+from .standin import StandInFusedAdam
+from .storage import storage_kwargs
 
 # The Megatron methods that megatron_verbatim.py copies (all from DistributedOptimizer).
 VERBATIM_METHODS = (

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-BF16, FP16, FP32, FP8 = torch.bfloat16, torch.float16, torch.float32, torch.uint8
+from .storage import BF16, FP8, FP16, FP32, storage_kwargs
 
 
 @dataclass(frozen=True)
@@ -18,7 +18,7 @@ class Mode:
     param_dtype: torch.dtype
     exp_avg: torch.dtype
     exp_avg_sq: torch.dtype
-    master: str  # "none", "fp32", "fp16" or "remainder"
+    master: str  # one of storage.MASTERS
 
     @property
     def scaled(self) -> bool:
@@ -27,13 +27,7 @@ class Mode:
         return FP16 in moments or FP8 in moments or self.master == "fp16"
 
     def te_kwargs(self) -> dict[str, Any]:
-        return {
-            "exp_avg_dtype": self.exp_avg,
-            "exp_avg_sq_dtype": self.exp_avg_sq,
-            "master_weights": self.master != "none",
-            "master_weight_dtype": FP16 if self.master == "fp16" else FP32,
-            "store_param_remainders": self.master == "remainder",
-        }
+        return storage_kwargs(moments=self.exp_avg, exp_avg_sq=self.exp_avg_sq, master=self.master)
 
 
 MODES = [
