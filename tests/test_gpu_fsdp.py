@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -17,15 +16,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .support.distributed import free_port
+
 pytestmark = pytest.mark.multigpu
 
 WORLD = 2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def build(moments: torch.dtype, seed: int) -> tuple[torch.nn.Module, Any]:

@@ -11,6 +11,7 @@ import torch
 
 from te_ckpt_placement import current_placement, engine, export_placement, install
 
+from .support.faults import FAULTS, nth_call_raises
 from .support.helpers import assert_same_export, through_torch_save
 from .support.te_cases import (
     BF16,
@@ -19,12 +20,11 @@ from .support.te_cases import (
     FP32,
     MODES,
     Mode,
+    live_bits,
     make_params,
     make_te_optimizer,
     train,
 )
-from .test_faults import FAULTS, nth_call_raises
-from .test_gpu_te import live_bits
 
 pytestmark = pytest.mark.gpu
 

@@ -24,7 +24,16 @@ from .support.helpers import (
     peak_extra,
     snapshot,
 )
-from .support.te_cases import FP8, FP16, MODES, Mode, make_params, make_te_optimizer, train
+from .support.te_cases import (
+    FP8,
+    FP16,
+    MODES,
+    Mode,
+    live_bits,
+    make_params,
+    make_te_optimizer,
+    train,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -243,25 +252,6 @@ def test_subclass_with_real_te() -> None:
     assert te_params <= set(sig.parameters), te_params - set(sig.parameters)
     with pytest.raises(ValueError, match="valid values"):
         te_ckpt_placement.FusedAdam(params, state_dict_placement="cuda:0")
-
-
-def live_bits(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """Every live state's bytes and every scale, in parameter order."""
-    out = []
-    for group in opt.param_groups:
-        for p in group["params"]:
-            for name, value in opt.state.get(p, {}).items():
-                out.append(snapshot_one(value))
-                if p in opt._scales and name in opt._scales[p]:
-                    out.append(bits(opt._scales[p][name]))
-    return out
-
-
-def snapshot_one(value: Any) -> torch.Tensor:
-    v = value._local_tensor if hasattr(value, "_local_tensor") else value
-    if hasattr(v, "_data"):
-        return torch.cat([bits(v._data), bits(v._scale_inv)])
-    return bits(v)
 
 
 def state_ptrs(opt: torch.optim.Optimizer) -> list[int]:

@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 
 from te_ckpt_placement import export_placement
 
+from .support.faults import assert_view_equal, optimizer_view
 from .support.helpers import assert_same_export, through_torch_save
 from .support.standin import StandInFusedAdam, train
 from .support.storage import BF16, FP8, FP16, FP32, MASTERS, storage_kwargs
-from .test_faults import assert_view_equal, optimizer_view
 
 pytestmark = pytest.mark.usefixtures("hooked_standin")
 

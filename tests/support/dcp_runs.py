@@ -170,6 +170,7 @@ def resolve(staged: Any) -> Any:
 
 def wait(response: Any) -> None:
     """Waits for a ``dcp.async_save``: its future, or its staging and upload."""
+    # torch 2.13 returns AsyncSaveResponse when staging is asynchronous, else a Future (2.11 too).
     if isinstance(response, Future):
         response.result()
     else:

@@ -45,6 +45,7 @@ from te_ckpt_placement.dcp import lazy_state as lazy_state_module
 
 from . import distributed
 from .backends import Backend
+from .dcp_runs import wait
 from .helpers import assert_same_export, bits, blank, local, snapshot
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -267,15 +268,6 @@ class GatedWriter(StreamingWriter):
     def write_data(self, plan: Any, planner: Any) -> Any:
         assert self.gate.wait(timeout=300), "the test never opened the gate"
         return super().write_data(plan, planner)
-
-
-def wait(response: Any) -> None:
-    # torch 2.13 returns AsyncSaveResponse when staging is asynchronous, else a Future (2.11 too).
-    if hasattr(response, "upload_completion"):
-        response.staging_completion.result()
-        response.upload_completion.result()
-    else:
-        response.result()
 
 
 def rank() -> int:

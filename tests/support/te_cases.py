@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from .helpers import bits
 from .storage import BF16, FP8, FP16, FP32, storage_kwargs
 
 
@@ -98,3 +99,22 @@ def train(opt: torch.optim.Optimizer, steps: int = 3, seed: int = 0) -> None:
         opt.param_groups.append(last)
     opt.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
+
+
+def live_bits(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every live state's bytes and every scale, in parameter order."""
+    out = []
+    for group in opt.param_groups:
+        for p in group["params"]:
+            for name, value in opt.state.get(p, {}).items():
+                out.append(snapshot_one(value))
+                if p in opt._scales and name in opt._scales[p]:
+                    out.append(bits(opt._scales[p][name]))
+    return out
+
+
+def snapshot_one(value: Any) -> torch.Tensor:
+    v = value._local_tensor if hasattr(value, "_local_tensor") else value
+    if hasattr(v, "_data"):
+        return torch.cat([bits(v._data), bits(v._scale_inv)])
+    return bits(v)
