@@ -14,7 +14,6 @@ One spawn of 2 ranks (gloo, FSDP2) then runs the checks of ``dcp_save_checks.py`
 from __future__ import annotations
 
 import copy
-import datetime
 import pickle
 import warnings
 from collections.abc import Iterator
@@ -26,9 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-from torch.distributed.device_mesh import init_device_mesh
 
-from te_ckpt_placement import PassThroughStager, Placement, engine, export_placement, te_hooks
+from te_ckpt_placement import PassThroughStager, Placement, engine, export_placement
 from te_ckpt_placement.dcp import (
     LazyState,
     PlacedOptimizerState,
@@ -44,9 +42,8 @@ from te_ckpt_placement.dcp.lazy_state import released_after_write
 
 from .support import dcp_save_checks as checks
 from .support.backends import CPU
-from .support.distributed import free_port
+from .support.distributed import free_port, init_gloo_mesh
 from .support.helpers import assert_same_export, bits, local, snapshot, tensors
-from .support.standin import StandInFusedAdam
 
 pytestmark = pytest.mark.usefixtures("hooked_standin")
 
@@ -451,16 +448,8 @@ def test_placed_optimizer_state_save_option(tmp_path: Path) -> None:
 def _worker(rank: int, port: int, root: str) -> None:
     import gc
 
-    dist.init_process_group(
-        "gloo",
-        rank=rank,
-        world_size=2,
-        init_method=f"tcp://127.0.0.1:{port}",
-        timeout=datetime.timedelta(seconds=180),
-    )
-    te_hooks.patch_class(StandInFusedAdam)
+    mesh = init_gloo_mesh(rank, port, timeout_s=180)
     warnings.filterwarnings("ignore", "Ignoring pin_memory", UserWarning)
-    mesh = init_device_mesh("cpu", (2,))
     # Async saves run their collectives in a background thread, on groups of their own.
     pgs = (dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
     base = Path(root)

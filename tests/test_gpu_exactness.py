@@ -17,6 +17,7 @@ from te_ckpt_placement.engine import materialize
 
 from .support import denormals
 from .support.helpers import assert_same_export, bits, exported_tensors
+from .support.storage import storage_kwargs
 from .support.te_cases import FP8, FP16, Mode, make_params, make_te_optimizer, train
 
 pytestmark = pytest.mark.gpu
@@ -107,7 +108,7 @@ def test_every_pattern_times_every_scale_class_against_te(flush_mode: str, kind:
     width = 16 if kind == "fp16" else 8
     numel = max(1 << 20, torch.get_num_threads() << 16)
     param = torch.nn.Parameter(torch.zeros(numel, device="cuda", dtype=torch.bfloat16))
-    opt = FusedAdam([param], exp_avg_dtype=moment, exp_avg_sq_dtype=moment)
+    opt = FusedAdam([param], **storage_kwargs(moments=moment, master="none"))
     opt.initialize_state(param, False)
     state = opt.state[param]["exp_avg"]
     every = torch.arange(numel, device="cuda", dtype=torch.int32) & ((1 << width) - 1)

@@ -24,6 +24,7 @@ from .support.helpers import (
     peak_extra,
     snapshot,
 )
+from .support.storage import storage_kwargs
 from .support.te_cases import (
     FP8,
     FP16,
@@ -93,7 +94,7 @@ def test_bf16_upcast_exhaustive_against_te() -> None:
 
     bf16 = torch.bfloat16
     param = torch.nn.Parameter(torch.zeros(1 << 16, device="cuda", dtype=bf16))
-    opt = FusedAdam([param], exp_avg_dtype=bf16, exp_avg_sq_dtype=bf16)
+    opt = FusedAdam([param], **storage_kwargs(moments=bf16, master="none"))
     opt.initialize_state(param, False)
     state = opt.state[param]["exp_avg"]
     every = torch.arange(-(1 << 15), 1 << 15, device="cuda", dtype=torch.int32)
@@ -112,7 +113,7 @@ def test_host_conversion_exhaustive_against_te_kernels(kind: str) -> None:
     moment = FP16 if kind == "fp16" else FP8
     patterns = 1 << 16 if kind == "fp16" else 1 << 8
     param = torch.nn.Parameter(torch.zeros(patterns, device="cuda", dtype=torch.bfloat16))
-    opt = FusedAdam([param], exp_avg_dtype=moment, exp_avg_sq_dtype=moment)
+    opt = FusedAdam([param], **storage_kwargs(moments=moment, master="none"))
     opt.initialize_state(param, False)
     state = opt.state[param]["exp_avg"]
     if kind == "fp16":

@@ -42,7 +42,7 @@ def imports(path: Path) -> list[tuple[int, str, list[str]]]:
     tree = ast.parse(path.read_text(), filename=str(path))
     name = module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found = []
+    found: list[tuple[int, str, list[str]]] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name, []) for alias in node.names]

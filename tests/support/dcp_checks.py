@@ -90,7 +90,7 @@ def check_sync_round_trip(
     # The same checkpoint through TE's own template and load, with no policy anywhere.
     te = Run(backend, mesh, moments, master, seed=3)
     with export_placement(None):
-        te_state = {
+        te_state: dict[str, Any] = {
             "model": get_model_state_dict(te.model),
             "optim": get_optimizer_state_dict(te.model, te.opt, options=options),
         }
@@ -289,9 +289,9 @@ def check_full_state_dict(mesh: DeviceMesh, run: Run) -> None:
         if cpu_offload or run.backend.device == "cpu":
             # Without cpu_offload, DCP gathers on the mesh's device and keeps the result there.
             assert_all_on_cpu(ours, label)
-        for key, full in gathered.items():
+        for key, global_state in gathered.items():
             assert not isinstance(ours[key], DTensor), f"{label}: {key} not gathered"
-            assert torch.equal(bits(ours[key]), bits(full)), f"{label}: {key}"
+            assert torch.equal(bits(ours[key]), bits(global_state)), f"{label}: {key}"
 
     # The full-state load path exports the target once more (one device, or "Device mismatch")
     # and distributes the full tensors into it. Not flattened: torch 2.13's full-state load of a

@@ -72,7 +72,10 @@ def save(run: Run, path: str | Path, **kwargs: Any) -> None:
 
 def load_template_path(run: Run, path: str | Path, placement: Any = "cpu", **kwargs: Any) -> None:
     """Today's load: the adapter's template under ``placement`` (None: TE's own), then its load."""
-    state = {"model": get_model_state_dict(run.model), "optim": run.state(placement=placement)}
+    state: dict[str, Any] = {
+        "model": get_model_state_dict(run.model),
+        "optim": run.state(placement=placement),
+    }
     dcp.load(state, checkpoint_id=str(path), **kwargs)
     set_model_state_dict(run.model, state["model"])
 
@@ -80,8 +83,9 @@ def load_template_path(run: Run, path: str | Path, placement: Any = "cpu", **kwa
 def load_streaming(run: Run, path: str | Path, **kwargs: Any) -> StreamingLoadPlanner:
     """The streaming load, as documented: one planner argument."""
     options = {k: kwargs.pop(k) for k in ("max_assembly_bytes",) if k in kwargs}
-    state = {"model": get_model_state_dict(run.model), "optim": run.state()}
-    planner = StreamingLoadPlanner(state["optim"], **options)
+    adapter = run.state()
+    state: dict[str, Any] = {"model": get_model_state_dict(run.model), "optim": adapter}
+    planner = StreamingLoadPlanner(adapter, **options)
     with no_template(run.opt):
         dcp.load(state, checkpoint_id=str(path), planner=planner, **kwargs)
     set_model_state_dict(run.model, state["model"])

@@ -51,6 +51,8 @@ class Run:
         if groups not in (1, 2):
             raise ValueError(f"groups={groups!r}: valid values are 1 and 2")
         self.backend, self.moments, self.master = backend, moments, master
+        self.model: torch.nn.Module
+        self.opt: Any  # TE's FusedAdam or its stand-in: _scales, name_to_dtype_map, ...
         dtype = param_dtype(master)
         if mesh is None:  # one process, no DTensors: what an offline consolidation would use
             torch.manual_seed(seed)  # the same weights as fully_sharded's

@@ -83,6 +83,7 @@ def train_global(opt: torch.optim.Optimizer, steps: int, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         for p in ordered_params(opt):
+            assert isinstance(p, DTensor), "global gradients are for DTensor parameters"
             g = torch.randn(p.shape, generator=gen) * math.exp(
                 float(torch.randn(1, generator=gen)) * 3
             )
