@@ -172,7 +172,7 @@ def build(
     from torch.distributed.fsdp import fully_shard
 
     if SMOKE:
-        from tests.standin import StandInFusedAdam as FusedAdam
+        from tests.support.standin import StandInFusedAdam as FusedAdam
     else:
         from transformer_engine.pytorch.optimizers import FusedAdam
 
@@ -396,7 +396,7 @@ def run_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
     rank = dist.get_rank()
     if SMOKE:
         from te_ckpt_placement import te_hooks
-        from tests.standin import StandInFusedAdam
+        from tests.support.standin import StandInFusedAdam
 
         te_hooks.patch_class(StandInFusedAdam)  # the stand-in follows the policy, as TE does
     else:

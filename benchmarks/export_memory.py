@@ -194,7 +194,7 @@ def build(
     ]
     model = torch.nn.ParameterList(params)
     if device == "cpu":
-        from tests.standin import make_optimizer, train
+        from tests.support.standin import make_optimizer, train
 
         opt = make_optimizer(params, moments=moments, master=master, lr=1e-3)
         train(opt, steps=1, seed=seed)
@@ -793,7 +793,7 @@ def main(argv: list[str] | None = None) -> int:
         bw = bandwidths()
     else:
         from te_ckpt_placement import te_hooks
-        from tests.standin import StandInFusedAdam
+        from tests.support.standin import StandInFusedAdam
 
         te_hooks.patch_class(StandInFusedAdam)  # the policy drives the stand-in, as TE once hooked
         bw = cpu_bandwidths()

@@ -365,7 +365,7 @@ class Env:
             self.optimizer_cls: Any = FusedAdam
         else:
             from te_ckpt_placement import te_hooks
-            from tests.standin import StandInFusedAdam
+            from tests.support.standin import StandInFusedAdam
 
             te_hooks.patch_class(StandInFusedAdam)
 

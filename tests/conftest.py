@@ -36,7 +36,7 @@ def hooked_standin() -> Iterator[None]:
     """The CPU stand-in's state_dict/load_state_dict follow the policy, as TE's do once hooked."""
     from te_ckpt_placement import te_hooks
 
-    from .standin import StandInFusedAdam
+    from .support.standin import StandInFusedAdam
 
     te_hooks.patch_class(StandInFusedAdam)
     yield

@@ -11,8 +11,8 @@ import torch
 
 from te_ckpt_placement import current_placement, engine, export_placement
 
-from .helpers import aliases_live, assert_same_export, exported_tensors, live_storages
-from .standin import StandInFusedAdam, make_optimizer, train
+from .support.helpers import aliases_live, assert_same_export, exported_tensors, live_storages
+from .support.standin import StandInFusedAdam, make_optimizer, train
 
 POLICIES: list[dict[str, Any]] = [
     {"device": "cpu"},

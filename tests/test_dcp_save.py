@@ -14,7 +14,6 @@ One spawn of 2 ranks (gloo, FSDP2) then runs the checks of ``dcp_save_checks.py`
 from __future__ import annotations
 
 import copy
-import datetime
 import pickle
 import warnings
 from collections.abc import Iterator
@@ -26,9 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-from torch.distributed.device_mesh import init_device_mesh
 
-from te_ckpt_placement import PassThroughStager, Placement, engine, export_placement, te_hooks
+from te_ckpt_placement import PassThroughStager, Placement, engine, export_placement
 from te_ckpt_placement.dcp import (
     LazyState,
     PlacedOptimizerState,
@@ -42,14 +40,14 @@ from te_ckpt_placement.dcp import (
 from te_ckpt_placement.dcp import lazy_state as lazy_state_module
 from te_ckpt_placement.dcp.lazy_state import released_after_write
 
-from . import dcp_save_checks as checks
-from .helpers import assert_same_export, bits, local, snapshot
-from .standin import StandInFusedAdam, make_optimizer
+from .support import dcp_save_checks as checks
+from .support.backends import CPU
+from .support.distributed import free_port, init_gloo_mesh
+from .support.helpers import assert_same_export, bits, local, snapshot, tensors
 
 pytestmark = pytest.mark.usefixtures("hooked_standin")
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
-BACKEND = checks.Backend("cpu", make_optimizer)
 BF16, FP16, FP32, FP8 = torch.bfloat16, torch.float16, torch.float32, torch.uint8
 # (moments, master) storage modes of the stand-in for plain (non-DTensor) parameters.
 MODES = [
@@ -65,7 +63,7 @@ MODES = [
 
 def plain_case(moments: torch.dtype, master: str, seed: int = 0, layers: int = 2) -> checks.Case:
     dims = tuple(3 + 2 * i for i in range(layers + 1))
-    case = checks.Case(BACKEND, None, moments, master, seed=seed, dims=dims)
+    case = checks.Case(CPU, None, moments, master, seed=seed, dims=dims)
     case.train(2, seed=seed + 1)
     return case
 
@@ -133,10 +131,10 @@ def test_lazy_state_dict_options_and_structure() -> None:
     ):
         lazy = lazy_optimizer_state_dict(case.model, case.opt, options=options)
         export = case.export(options)
-        states = list(checks.tensors(lazy))
+        states = list(tensors(lazy))
         assert states and all(is_lazy(t) for t in states)
-        assert [t.shape for t in states] == [t.shape for t in checks.tensors(export)]
-        assert [t.dtype for t in states] == [t.dtype for t in checks.tensors(export)]
+        assert [t.shape for t in states] == [t.shape for t in tensors(export)]
+        assert [t.dtype for t in states] == [t.dtype for t in tensors(export)]
     with pytest.raises(ValueError, match="full_state_dict=True"):
         lazy_optimizer_state_dict(
             case.model, case.opt, options=StateDictOptions(full_state_dict=True)
@@ -184,16 +182,16 @@ def test_lazy_state_dict_of_other_optimizers_is_their_export() -> None:
     model(torch.randn(2, 3)).sum().backward()
     adam.step()
     lazy = lazy_optimizer_state_dict(model, adam, options=FLAT)
-    assert not any(is_lazy(t) for t in checks.tensors(lazy))
+    assert not any(is_lazy(t) for t in tensors(lazy))
     assert_same_export(lazy, get_optimizer_state_dict(model, adam, options=FLAT))
 
 
 def test_lazy_state_dict_of_a_fresh_optimizer_runs_dcps_fake_step() -> None:
-    case = checks.Case(BACKEND, None, BF16, "fp32", seed=3)
+    case = checks.Case(CPU, None, BF16, "fp32", seed=3)
     assert not case.opt.state
     lazy = lazy_optimizer_state_dict(case.model, case.opt, options=FLAT)
     # As with the export: the fake step created the states and counted one step.
-    export_case = checks.Case(BACKEND, None, BF16, "fp32", seed=3)
+    export_case = checks.Case(CPU, None, BF16, "fp32", seed=3)
     export = export_case.export()
     checks.assert_lazy_like(lazy, export, "fresh")
     assert case.opt.state and all(g["step"] == 1 for g in case.opt.param_groups)
@@ -210,7 +208,7 @@ def test_resolve_loaded_keeps_current_values_for_skipped_keys() -> None:
     assert target.__get_tensor_shard__(None) is loaded  # type: ignore[arg-type]
     loaded.fill_(7.0)  # ... and DCP read into it
     resolved = resolve_loaded(lazy)
-    assert resolved is not lazy and not any(is_lazy(t) for t in checks.tensors(resolved))
+    assert resolved is not lazy and not any(is_lazy(t) for t in tensors(resolved))
     assert torch.all(resolved[keys[0]] == 7.0)
     for key in keys[1:]:  # not read: the current value, as the export template holds it
         assert torch.equal(bits(resolved[key]), bits(export[key])), key
@@ -318,7 +316,7 @@ def test_streaming_writer_failure_keeps_previous_checkpoint(
 
 # --- SnapshotStager -----------------------------------------------------------------------------
 def staged_sources(staged: Any) -> Iterator[LazyState]:
-    for t in checks.tensors(staged):
+    for t in tensors(staged):
         if is_lazy(t):
             yield local(t)
 
@@ -373,7 +371,7 @@ def test_snapshot_stager_reuses_idle_buffers_only() -> None:
 
     def stage() -> tuple[dict[str, Any], set[int]]:
         staged = stager.stage({"optim": case.lazy(), "model": case.model.state_dict()})
-        ptrs = {local(t).untyped_storage().data_ptr() for t in checks.tensors(staged)
+        ptrs = {local(t).untyped_storage().data_ptr() for t in tensors(staged)
                 if not is_lazy(t)}  # fmt: skip
         ptrs |= {s.source.data.untyped_storage().data_ptr() for s in staged_sources(staged)}  # type: ignore[union-attr]
         return staged, ptrs
@@ -381,14 +379,14 @@ def test_snapshot_stager_reuses_idle_buffers_only() -> None:
     first, ptrs1 = stage()
     total = stager.last_stats.raw_bytes + stager.last_stats.other_bytes  # type: ignore[union-attr]
     assert stager.buffer_bytes == total
-    kept_values = [bits(t).clone() for t in checks.tensors(first) if not is_lazy(t)]
+    kept_values = [bits(t).clone() for t in tensors(first) if not is_lazy(t)]
     case.train(1, seed=3)
     second, ptrs2 = stage()  # the first is still referenced: fresh buffers, nothing overwritten
     assert stager.last_stats.allocated_bytes == total  # type: ignore[union-attr]
     assert not ptrs1 & ptrs2
     assert all(
         torch.equal(bits(t), v)
-        for t, v in zip([t for t in checks.tensors(first) if not is_lazy(t)], kept_values,
+        for t, v in zip([t for t in tensors(first) if not is_lazy(t)], kept_values,
                         strict=True)
     )  # fmt: skip
     del first
@@ -450,27 +448,19 @@ def test_placed_optimizer_state_save_option(tmp_path: Path) -> None:
 def _worker(rank: int, port: int, root: str) -> None:
     import gc
 
-    dist.init_process_group(
-        "gloo",
-        rank=rank,
-        world_size=2,
-        init_method=f"tcp://127.0.0.1:{port}",
-        timeout=datetime.timedelta(seconds=180),
-    )
-    te_hooks.patch_class(StandInFusedAdam)
+    mesh = init_gloo_mesh(rank, port, timeout_s=180)
     warnings.filterwarnings("ignore", "Ignoring pin_memory", UserWarning)
-    mesh = init_device_mesh("cpu", (2,))
     # Async saves run their collectives in a background thread, on groups of their own.
     pgs = (dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
     base = Path(root)
     try:
-        checks.check_streaming_save(BACKEND, mesh, base, [(BF16, "remainder"), (FP16, "fp32")])
-        checks.check_stock_writers(BACKEND, mesh, base)
-        checks.check_snapshot_async(BACKEND, mesh, pgs, base, [(BF16, "remainder"), (FP16, "fp32")])
-        checks.check_resharding(BACKEND, mesh, pgs[0], base)
-        checks.check_failed_save(BACKEND, mesh, base)
+        checks.check_streaming_save(CPU, mesh, base, [(BF16, "remainder"), (FP16, "fp32")])
+        checks.check_stock_writers(CPU, mesh, base)
+        checks.check_snapshot_async(CPU, mesh, pgs, base, [(BF16, "remainder"), (FP16, "fp32")])
+        checks.check_resharding(CPU, mesh, pgs[0], base)
+        checks.check_failed_save(CPU, mesh, base)
         # The GPU test's memory check, on a small model: its code paths, not its bounds.
-        checks.check_memory_bounds(BACKEND, mesh, pgs[0], base, dims=(64, 48, 64))
+        checks.check_memory_bounds(CPU, mesh, pgs[0], base, dims=(64, 48, 64))
         gc.collect()
     finally:
         dist.destroy_process_group()
@@ -479,6 +469,6 @@ def _worker(rank: int, port: int, root: str) -> None:
 def test_dcp_save_on_two_ranks(tmp_path: Path) -> None:
     import torch.multiprocessing as mp
 
-    mp.spawn(_worker, args=(checks.free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     for ckpt in ("streaming0_2_1", "snapshot1_2", "reshard_async", "failed", "stock_0"):
         assert (tmp_path / ckpt / ".metadata").is_file(), f"{ckpt}: no checkpoint"

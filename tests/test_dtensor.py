@@ -9,22 +9,29 @@ trip into a fresh optimizer, with a ``fully_shard`` model and with a model of ha
 
 from __future__ import annotations
 
-import datetime
-import math
-import socket
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
-from te_ckpt_placement import export_placement, te_hooks
+from te_ckpt_placement import export_placement
 
-from .helpers import (
+from .support.distributed import (
+    WORLD,
+    by_position,
+    fully_sharded,
+    gather,
+    hyperparams,
+    init_gloo_mesh,
+    ordered_params,
+    param_dtype,
+    spawn,
+    train_global,
+)
+from .support.helpers import (
     aliases_live,
     assert_bit_equal,
     assert_owns_storage,
@@ -35,9 +42,8 @@ from .helpers import (
     local,
     snapshot,
 )
-from .standin import StandInFusedAdam, make_optimizer, train
+from .support.standin import make_optimizer, train
 
-WORLD = 2
 MOMENTS = (torch.float32, torch.bfloat16, torch.float16)
 MASTERS = ("none", "fp32", "remainder")
 STATE_NAMES = {
@@ -47,35 +53,7 @@ STATE_NAMES = {
 }
 
 
-# --- process-group plumbing ---------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _spawn(worker: Callable[..., None], *args: Any) -> None:
-    """Runs ``worker(rank, port, *args)`` on 2 ranks; a failing rank's exception is re-raised."""
-    mp.spawn(worker, args=(_free_port(), *args), nprocs=WORLD, join=True)
-
-
-def _init(rank: int, port: int) -> DeviceMesh:
-    dist.init_process_group(
-        "gloo",
-        rank=rank,
-        world_size=WORLD,
-        init_method=f"tcp://127.0.0.1:{port}",
-        timeout=datetime.timedelta(seconds=120),
-    )
-    te_hooks.patch_class(StandInFusedAdam)
-    return init_device_mesh("cpu", (WORLD,))
-
-
 # --- parameters ---------------------------------------------------------------------------------
-def _param_dtype(master: str) -> torch.dtype:
-    return torch.bfloat16 if master == "remainder" else torch.float32
-
-
 def _dtensor_params(
     mesh: DeviceMesh, dtype: torch.dtype, seed: int, *, empty_shard: bool
 ) -> list[torch.nn.Parameter]:
@@ -107,56 +85,13 @@ class _HandDistributed(torch.nn.Module):
         self.w, self.b, self.r, self.c = w, b, r, c
 
 
-def _fully_sharded(mesh: DeviceMesh, dtype: torch.dtype, seed: int) -> torch.nn.Module:
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(seed)
-    # Linear(3, 5): weight (5, 3) and bias (5,) shard unevenly (3 + 2 rows) on 2 ranks.
-    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 4)).to(dtype)
-    fully_shard(model, mesh=mesh)
-    return model
-
-
-def _train_global(opt: torch.optim.Optimizer, steps: int, seed: int) -> None:
-    """Like ``standin.train``, but each gradient is drawn as a global tensor and then sharded.
-
-    ``standin.train`` draws each rank's local gradient from one generator stream, so once an
-    uneven shard has advanced the streams differently, a Replicate() parameter gets different
-    gradients (and so different values and states) on each rank. DCP saves a replicated tensor
-    from one rank only, so the round trip needs parameters that really are replicated.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        for p in _ordered_params(opt):
-            g = torch.randn(p.shape, generator=gen) * math.exp(
-                float(torch.randn(1, generator=gen)) * 3
-            )
-            p.grad = distribute_tensor(
-                g.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None
-            )
-        opt.step()
-
-
 # --- comparisons --------------------------------------------------------------------------------
-def _ordered_params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for group in opt.param_groups for p in group["params"]]
-
-
-def _by_position(opt: torch.optim.Optimizer) -> dict[int, dict[str, torch.Tensor]]:
-    snap = snapshot(opt)
-    return {i: snap[p] for i, p in enumerate(_ordered_params(opt)) if p in snap}
-
-
 def _same_snapshot(a: dict[Any, Any], b: dict[Any, Any]) -> bool:
     try:
         assert_snapshot_equal(a, b)
     except AssertionError:
         return False
     return True
-
-
-def _hyperparams(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
 
 
 def _check_state_dtensor(state: Any, param: DTensor, dtype: torch.dtype, where: str) -> None:
@@ -171,24 +106,10 @@ def _check_state_dtensor(state: Any, param: DTensor, dtype: torch.dtype, where: 
     assert state._local_tensor.shape == param._local_tensor.shape, f"{where}: local shape"
 
 
-def _gather(state: DTensor) -> torch.Tensor:
-    """The global tensor; gloo cannot all-gather int16, so remainders travel widened."""
-    if state.dtype != torch.int16:
-        return state.full_tensor()
-    widened = DTensor.from_local(
-        state._local_tensor.to(torch.int32),
-        state.device_mesh,
-        state.placements,
-        shape=state.size(),
-        stride=state.stride(),
-    )
-    return widened.full_tensor().to(torch.int16)
-
-
 # --- exports of every storage mode --------------------------------------------------------------
 def _check_export_mode(mesh: DeviceMesh, moments: torch.dtype, master: str, seed: int) -> None:
     mode = f"rank {dist.get_rank()} moments={moments} master={master}"
-    params = _dtensor_params(mesh, _param_dtype(master), seed, empty_shard=moments != torch.float16)
+    params = _dtensor_params(mesh, param_dtype(master), seed, empty_shard=moments != torch.float16)
     if dist.get_rank() == 1 and moments != torch.float16:
         assert params[-1]._local_tensor.numel() == 0, "the empty shard is not empty"
     opt = make_optimizer(
@@ -228,7 +149,7 @@ def _check_export_mode(mesh: DeviceMesh, moments: torch.dtype, master: str, seed
             assert aliases_live(ref["state"][index][name], live) == expect_alias, where
             # The DTensor metadata is usable: gathering the global tensor (a collective)
             # gives TE's global tensor, uneven and replicated shards included.
-            full, full_ref = _gather(state), _gather(ref["state"][index][name])
+            full, full_ref = gather(state), gather(ref["state"][index][name])
             assert full.shape == param.size(), f"{where}: gathered shape {full.shape}"
             assert torch.equal(bits(full), bits(full_ref)), f"{where}: gathered values differ"
 
@@ -262,8 +183,8 @@ ROUND_TRIPS = [
 
 def _build(kind: str, mesh: DeviceMesh, master: str, seed: int) -> torch.nn.Module:
     if kind == "fully_shard":
-        return _fully_sharded(mesh, _param_dtype(master), seed)
-    return _HandDistributed(mesh, _param_dtype(master), seed)
+        return fully_sharded(mesh, param_dtype(master), seed)
+    return _HandDistributed(mesh, param_dtype(master), seed)
 
 
 def _check_round_trip(
@@ -285,7 +206,7 @@ def _check_round_trip(
     params = list(model.parameters())
     assert params and all(isinstance(p, DTensor) for p in params), f"{mode}: params"
     opt = make_optimizer(model.parameters(), moments=moments, master=master)
-    _train_global(opt, steps=3, seed=2)
+    train_global(opt, steps=3, seed=2)
     for name, p in model.named_parameters():
         if isinstance(p.placements[0], Replicate):
             copies = [torch.empty_like(p._local_tensor) for _ in range(WORLD)]
@@ -323,7 +244,7 @@ def _check_round_trip(
     for key in state_keys:
         assert template[key]._local_tensor.device.type == "cpu", f"{mode} {key}: template"
     # Not yet restored: the fresh live state differs, so the comparisons below can fail.
-    assert not _same_snapshot(_by_position(opt2), _by_position(opt)), f"{mode}: already equal"
+    assert not _same_snapshot(by_position(opt2), by_position(opt)), f"{mode}: already equal"
     assert any(
         not torch.equal(bits(p._local_tensor), bits(p2._local_tensor))
         for p, p2 in zip(model.parameters(), model2.parameters(), strict=True)
@@ -335,13 +256,13 @@ def _check_round_trip(
 
     for (name, p), p2 in zip(model.named_parameters(), model2.parameters(), strict=True):
         assert_bit_equal(p2, p, f"{mode} param {name}")
-    assert_snapshot_equal(_by_position(opt), _by_position(opt2))
-    for i, (p, p2) in enumerate(zip(_ordered_params(opt), _ordered_params(opt2), strict=True)):
+    assert_snapshot_equal(by_position(opt), by_position(opt2))
+    for i, (p, p2) in enumerate(zip(ordered_params(opt), ordered_params(opt2), strict=True)):
         scales, scales2 = opt._scales.get(p, {}), opt2._scales.get(p2, {})
         assert scales.keys() == scales2.keys(), f"{mode} param {i}: scaled states differ"
         for name in scales:
             assert torch.equal(bits(scales[name]), bits(scales2[name])), f"{mode} {i} {name}"
-    assert _hyperparams(opt2) == _hyperparams(opt), f"{mode}: param_groups differ"
+    assert hyperparams(opt2) == hyperparams(opt), f"{mode}: param_groups differ"
     # The restored optimizer exports what the original exported.
     with export_placement("cpu"):
         assert_same_export(
@@ -351,7 +272,7 @@ def _check_round_trip(
 
 # --- the test: one spawn of 2 ranks ------------------------------------------------------------
 def _worker(rank: int, port: int, root: str) -> None:
-    mesh = _init(rank, port)
+    mesh = init_gloo_mesh(rank, port)
     try:
         for seed, (moments, master) in enumerate((m, s) for m in MOMENTS for s in MASTERS):
             _check_export_mode(mesh, moments, master, seed)
@@ -362,7 +283,7 @@ def _worker(rank: int, port: int, root: str) -> None:
 
 
 def test_dtensor_exports_and_dcp_round_trip_on_two_ranks(tmp_path: Path) -> None:
-    _spawn(_worker, str(tmp_path))
+    spawn(_worker, str(tmp_path))
     # Every round trip wrote a checkpoint where the parent asked for it.
     for case in range(len(ROUND_TRIPS)):
         assert (tmp_path / f"case{case}" / ".metadata").is_file(), f"case{case}: no checkpoint"

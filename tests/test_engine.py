@@ -11,7 +11,7 @@ import torch
 from te_ckpt_placement import Placement, engine, export_placement, te_contract, te_hooks
 from te_ckpt_placement.engine import StateSource, materialize
 
-from .helpers import (
+from .support.helpers import (
     aliases_live,
     assert_owns_storage,
     assert_same_export,
@@ -21,7 +21,7 @@ from .helpers import (
     live_storages,
     snapshot,
 )
-from .standin import StandInFusedAdam, make_optimizer, train
+from .support.standin import StandInFusedAdam, make_optimizer, train
 
 MOMENTS = [torch.float32, torch.bfloat16, torch.float16, torch.uint8]
 MASTERS = ["none", "fp32", "fp16", "remainder"]

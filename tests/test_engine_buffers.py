@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from te_ckpt_placement import engine, export_placement, release_buffers
 
-from .helpers import assert_same_export, exported_tensors
-from .standin import StandInFusedAdam, make_optimizer, train
+from .support.helpers import assert_same_export, exported_tensors
+from .support.standin import StandInFusedAdam, make_optimizer, train
 
 pytestmark = pytest.mark.usefixtures("hooked_standin")
 

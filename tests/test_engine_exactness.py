@@ -17,9 +17,9 @@ import torch
 from te_ckpt_placement import engine, export_placement
 from te_ckpt_placement.engine import StateSource, materialize
 
-from . import denormals
-from .helpers import exported_tensors
-from .standin import make_optimizer, train
+from .support import denormals
+from .support.helpers import exported_tensors
+from .support.standin import make_optimizer, train
 
 pytestmark = pytest.mark.usefixtures("hooked_standin")
 

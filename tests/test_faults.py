@@ -11,8 +11,9 @@ import torch
 
 from te_ckpt_placement import Placement, current_placement, engine, export_placement, te_load
 
-from .helpers import assert_same_export, assert_snapshot_equal, snapshot
-from .standin import StandInFusedAdam, make_optimizer, train
+from .support.faults import FAULTS, assert_view_equal, nth_call_raises, optimizer_view
+from .support.helpers import assert_same_export, assert_snapshot_equal, snapshot
+from .support.standin import StandInFusedAdam, make_optimizer, train
 
 pytestmark = pytest.mark.usefixtures("hooked_standin")
 
@@ -27,26 +28,6 @@ def build(moments: torch.dtype = torch.bfloat16, master: str = "fp32", seed: int
     )
     train(opt, steps=2, seed=seed)
     return opt
-
-
-def nth_call_raises(k: int, exc: BaseException, fn: Any) -> Any:
-    calls = 0
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        nonlocal calls
-        calls += 1
-        if calls == k:
-            raise exc
-        return fn(*args, **kwargs)
-
-    return wrapper
-
-
-FAULTS = {
-    "host_copy": (engine._Stager, "copy_async", RuntimeError("injected copy failure")),
-    "host_alloc": (engine, "empty_host", MemoryError("injected allocation failure")),
-    "interrupt": (engine._Stager, "copy_async", KeyboardInterrupt()),
-}
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))
@@ -73,28 +54,6 @@ def test_export_fault_at_kth_state(
     assert engine.pinned_pool_bytes() == pool, "the pool grew or leaked"
     with export_placement("cpu"):
         assert_same_export(opt.state_dict(), reference)
-
-
-def optimizer_view(opt: Any) -> tuple[Any, ...]:
-    """Live states, groups and scales, keyed by parameter position (twins compare)."""
-    params = [p for g in opt.param_groups for p in g["params"]]
-    by_param = snapshot(opt)
-    states = {i: by_param[p] for i, p in enumerate(params) if p in by_param}
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-    scales = {
-        i: {n: s.clone() for n, s in opt._scales.get(p, {}).items()} for i, p in enumerate(params)
-    }
-    return states, groups, scales
-
-
-def assert_view_equal(a: tuple[Any, ...], b: tuple[Any, ...]) -> None:
-    assert_snapshot_equal(a[0], b[0])
-    assert a[1] == b[1], "param_groups changed"
-    assert a[2].keys() == b[2].keys()
-    for i in a[2]:
-        assert a[2][i].keys() == b[2][i].keys()
-        for n in a[2][i]:
-            assert torch.equal(a[2][i][n], b[2][i][n]), f"scale {i}.{n} changed"
 
 
 # Where a load can fail: before a state is written, between chunks of a state's copy (the

@@ -1,9 +1,10 @@
 """The DCP checks of test_dcp.py, run with real TE FusedAdam under FSDP2 on 2 GPUs.
 
 test_dcp.py proves the DCP behaviour against the CPU stand-in on a gloo mesh. This runs the same
-check functions on a CUDA mesh (``cpu:gloo,cuda:nccl``, as async saves need) with TE's own
-FusedAdam, so the stand-in's answers (the fake step's count, TE's load of the same checkpoint,
-re-derived FP16/FP8 scales, continued training) are checked against the real thing:
+check functions (``tests/support/dcp_checks.py``) with the CUDA backend, on a CUDA mesh
+(``cpu:gloo,cuda:nccl``, as async saves need) with TE's own FusedAdam, so the stand-in's answers
+(the fake step's count, TE's load of the same checkpoint, re-derived FP16/FP8 scales, continued
+training) are checked against the real thing:
 
 1. sync round trip (``cpu_offload`` True and False; BF16 with remainders, FP16, FP8 and BF16 with
    FP32 masters), equal to TE's own load and to continued uninterrupted training;
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import datetime
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -28,25 +28,14 @@ pytestmark = pytest.mark.multigpu
 WORLD = 2
 
 
-def te_optimizer(
-    params: Any, *, moments: torch.dtype = torch.bfloat16, master: str = "fp32", lr: float = 1e-2
-) -> torch.optim.Optimizer:
-    """TE's FusedAdam in the storage mode the stand-in's ``make_optimizer`` names."""
-    from transformer_engine.pytorch.optimizers import FusedAdam
-
-    from .standin import storage_kwargs
-
-    return FusedAdam(params, lr=lr, **storage_kwargs(moments=moments, master=master))
-
-
 def _worker(rank: int, port: int, root: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from te_ckpt_placement import install
 
-    from . import test_dcp
-    from .test_dcp import Backend, run_all_checks
+    from .support.backends import CUDA
+    from .support.dcp_checks import run_all_checks
 
     torch.cuda.set_device(rank)
     dist.init_process_group(
@@ -57,14 +46,13 @@ def _worker(rank: int, port: int, root: str) -> None:
         timeout=datetime.timedelta(seconds=300),
     )
     install()
-    test_dcp.BACKEND = Backend("cuda", te_optimizer)
     mesh = init_device_mesh("cuda", (WORLD,))
     # Async saves run their collectives in a background thread, on a group of their own.
     async_pg = dist.new_group(backend="gloo")
     try:
         # FP8 states of DTensors too: the CPU stand-in keeps FP8 of plain tensors only.
         run_all_checks(
-            mesh, async_pg, Path(root), extra_sync=((torch.uint8, "fp32", True, "sync_fp8"),)
+            CUDA, mesh, async_pg, Path(root), extra_sync=((torch.uint8, "fp32", True, "sync_fp8"),)
         )
         torch.cuda.synchronize()
     finally:
@@ -74,9 +62,9 @@ def _worker(rank: int, port: int, root: str) -> None:
 def test_dcp_with_te_on_two_gpus(tmp_path: Path) -> None:
     import torch.multiprocessing as mp
 
-    from .test_dtensor import _free_port
+    from .support.distributed import free_port
 
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     for ckpt in ("sync_fp8", "async/pass_through", "stateful/async", "reshard/one_to_two"):
         assert (tmp_path / ckpt / ".metadata").is_file(), f"{ckpt}: no checkpoint"
 
@@ -89,7 +77,7 @@ def test_dcp_walkthrough_example_runs_as_written(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from .test_dtensor import _free_port
+    from .support.distributed import free_port
 
     root = Path(__file__).resolve().parents[1]
     env = {
@@ -97,7 +85,7 @@ def test_dcp_walkthrough_example_runs_as_written(tmp_path: Path) -> None:
         "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
     }
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-               f"--master_port={_free_port()}", str(EXAMPLE), str(tmp_path / "ckpt")]  # fmt: skip
+               f"--master_port={free_port()}", str(EXAMPLE), str(tmp_path / "ckpt")]  # fmt: skip
     proc = subprocess.run(
         command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
     )

@@ -1,10 +1,11 @@
 """``StreamingLoadPlanner`` with real TE FusedAdam under FSDP2 on 2 GPUs.
 
-1. test_dcp_load's 2-rank checks (``run_streaming_checks``) on a CUDA mesh (``cpu:gloo,cuda:nccl``)
-   with TE, FP8 moments too: every streaming load equals the template path and TE's own load,
-   training continues as uninterrupted, resharding 2 -> 1 and 1 -> 2 and a checkpoint written
-   from a full state dict load; a streaming load adds 0 GPU bytes where every state is BF16, FP32
-   or int16 (FP16/FP8 states go through TE's ``set_scaled_state``, which scales on the GPU).
+1. test_dcp_load's 2-rank checks (``tests/support/dcp_load_checks.py``) on a CUDA mesh
+   (``cpu:gloo,cuda:nccl``) with TE, FP8 moments too: every streaming load equals the template
+   path and TE's own load, training continues as uninterrupted, resharding 2 -> 1 and 1 -> 2 and
+   a checkpoint written from a full state dict load; a streaming load adds 0 GPU bytes where
+   every state is BF16, FP32 or int16 (FP16/FP8 states go through TE's ``set_scaled_state``,
+   which scales on the GPU).
 2. The bounds at a size where they discriminate: 16 bf16 ``Linear(4096, 4096)`` layers (134 M
    local elements per rank, M = 8.4 M), BF16 moments with int16 master remainders. The streaming
    load equals TE's DCP load bit for bit (and the saved state), adds 0 GPU bytes and at most
@@ -30,15 +31,6 @@ pytestmark = pytest.mark.multigpu
 WORLD = 2
 
 
-def te_optimizer(params: Any, *, moments: torch.dtype, master: str, lr: float = 1e-2) -> Any:
-    """TE's FusedAdam in the storage mode the stand-in's ``make_optimizer`` names."""
-    from transformer_engine.pytorch.optimizers import FusedAdam
-
-    from .standin import storage_kwargs
-
-    return FusedAdam(params, lr=lr, **storage_kwargs(moments=moments, master=master))
-
-
 def _init(rank: int, port: int) -> None:
     import torch.distributed as dist
 
@@ -60,14 +52,14 @@ def _checks_worker(rank: int, port: int, root: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from . import test_dcp_load
-    from .test_dcp_load import Backend, run_streaming_checks
+    from .support.backends import CUDA
+    from .support.dcp_load_checks import run_streaming_checks
 
     _init(rank, port)
-    test_dcp_load.BACKEND = Backend("cuda", te_optimizer)
     try:
         # FP8 states of DTensors too: the CPU stand-in keeps FP8 of plain tensors only.
         run_streaming_checks(
+            CUDA,
             init_device_mesh("cuda", (WORLD,)),
             Path(root),
             extra_cases=((torch.uint8, "fp32"), (torch.uint8, "remainder")),
@@ -80,7 +72,7 @@ def _checks_worker(rank: int, port: int, root: str) -> None:
 def test_streaming_load_checks_with_te_on_two_gpus(tmp_path: Path) -> None:
     import torch.multiprocessing as mp
 
-    from .test_dcp_load import free_port
+    from .support.distributed import free_port
 
     mp.spawn(_checks_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     for ckpt in ("reshard/one_to_two", "full_state_dict"):
@@ -162,7 +154,7 @@ def _bounds_worker(rank: int, port: int, root: str, results: str | None) -> None
 def test_streaming_load_bounds_on_two_gpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch.multiprocessing as mp
 
-    from .test_dcp_load import free_port
+    from .support.distributed import free_port
 
     # glibc serves allocations under its (growing) mmap threshold from a heap it keeps after
     # free, so a later mode's RSS would not grow for memory an earlier mode freed. A fixed low

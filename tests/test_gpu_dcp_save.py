@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import datetime
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -25,17 +24,6 @@ import torch
 pytestmark = pytest.mark.multigpu
 
 WORLD = 2
-
-
-def te_optimizer(
-    params: Any, *, moments: torch.dtype = torch.bfloat16, master: str = "fp32", lr: float = 1e-2
-) -> torch.optim.Optimizer:
-    """TE's FusedAdam in the storage mode the stand-in's ``make_optimizer`` names."""
-    from transformer_engine.pytorch.optimizers import FusedAdam
-
-    from .standin import storage_kwargs
-
-    return FusedAdam(params, lr=lr, **storage_kwargs(moments=moments, master=master))
 
 
 def _worker(rank: int, port: int, root: str) -> None:
@@ -46,7 +34,8 @@ def _worker(rank: int, port: int, root: str) -> None:
 
     from te_ckpt_placement import install
 
-    from . import dcp_save_checks as checks
+    from .support import dcp_save_checks as checks
+    from .support.backends import CUDA
 
     torch.cuda.set_device(rank)
     dist.init_process_group(
@@ -57,7 +46,7 @@ def _worker(rank: int, port: int, root: str) -> None:
         timeout=datetime.timedelta(seconds=600),
     )
     install()
-    backend = checks.Backend("cuda", te_optimizer)
+    backend = CUDA
     mesh = init_device_mesh("cuda", (WORLD,))
     # Async saves run their collectives in a background thread, on groups of their own.
     pgs = (dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
@@ -82,7 +71,7 @@ def _worker(rank: int, port: int, root: str) -> None:
 def test_dcp_save_with_te_on_two_gpus(tmp_path: Path) -> None:
     import torch.multiprocessing as mp
 
-    from .dcp_save_checks import free_port
+    from .support.distributed import free_port
 
     mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     for ckpt in ("streaming0_2_0", "more/streaming2_2_1", "snapshot2_1", "reshard_async"):

@@ -15,9 +15,10 @@ import torch
 from te_ckpt_placement import Placement, export_placement, install, te_contract
 from te_ckpt_placement.engine import materialize
 
-from . import denormals
-from .helpers import assert_same_export, bits, exported_tensors
-from .te_cases import FP8, FP16, Mode, make_params, make_te_optimizer, train
+from .support import denormals
+from .support.helpers import assert_same_export, bits, exported_tensors
+from .support.storage import storage_kwargs
+from .support.te_cases import FP8, FP16, Mode, make_params, make_te_optimizer, train
 
 pytestmark = pytest.mark.gpu
 
@@ -100,14 +101,14 @@ def test_trained_te_states_exact_under_flush(flush_mode: str, mode: Mode) -> Non
 @pytest.mark.parametrize("kind", ["fp8", "fp16"])
 def test_every_pattern_times_every_scale_class_against_te(flush_mode: str, kind: str) -> None:
     """Every FP8 byte (FP16 pattern), repeated so that every thread converts some, times every
-    scale class of tests/denormals.py: host export == TE's GPU conversion."""
+    scale class of tests/support/denormals.py: host export == TE's GPU conversion."""
     from transformer_engine.pytorch.optimizers import FusedAdam
 
     moment = FP16 if kind == "fp16" else FP8
     width = 16 if kind == "fp16" else 8
     numel = max(1 << 20, torch.get_num_threads() << 16)
     param = torch.nn.Parameter(torch.zeros(numel, device="cuda", dtype=torch.bfloat16))
-    opt = FusedAdam([param], exp_avg_dtype=moment, exp_avg_sq_dtype=moment)
+    opt = FusedAdam([param], **storage_kwargs(moments=moment, master="none"))
     opt.initialize_state(param, False)
     state = opt.state[param]["exp_avg"]
     every = torch.arange(numel, device="cuda", dtype=torch.int32) & ((1 << width) - 1)

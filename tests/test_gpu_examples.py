@@ -25,10 +25,10 @@ def run(args: list[str], cwd: Path) -> str:
 
 
 def torchrun(nproc: int) -> list[str]:
-    from .test_dtensor import _free_port
+    from .support.distributed import free_port
 
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
-            f"--nproc_per_node={nproc}", f"--master_port={_free_port()}"]  # fmt: skip
+            f"--nproc_per_node={nproc}", f"--master_port={free_port()}"]  # fmt: skip
 
 
 @pytest.mark.gpu

@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -17,15 +16,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .support.distributed import free_port
+
 pytestmark = pytest.mark.multigpu
 
 WORLD = 2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def build(moments: torch.dtype, seed: int) -> tuple[torch.nn.Module, Any]:
@@ -46,14 +41,10 @@ def build(moments: torch.dtype, seed: int) -> tuple[torch.nn.Module, Any]:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer)
     fully_shard(model)
-    opt = FusedAdam(
-        model.parameters(),
-        lr=1e-3,
-        master_weights=True,
-        store_param_remainders=moments == torch.bfloat16,
-        exp_avg_dtype=moments,
-        exp_avg_sq_dtype=moments,
-    )
+    from tests.support.storage import storage_kwargs
+
+    master = "remainder" if moments == torch.bfloat16 else "fp32"
+    opt = FusedAdam(model.parameters(), lr=1e-3, **storage_kwargs(moments=moments, master=master))
     for _ in range(3):
         x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
         model(x).float().pow(2).mean().backward()
@@ -69,7 +60,7 @@ def worker(rank: int, port: int, results_path: str | None) -> None:
     from torch.distributed.tensor import DTensor
 
     from te_ckpt_placement import export_placement, install
-    from tests.helpers import assert_owns_storage, assert_same_export, peak_extra
+    from tests.support.helpers import assert_owns_storage, assert_same_export, peak_extra
 
     torch.cuda.set_device(rank)
     dist.init_process_group(

@@ -17,9 +17,9 @@ import torch
 
 from te_ckpt_placement import engine, export_placement, install, te_load
 
-from .helpers import bits, peak_extra
-from .load_cases import raw_bits, vary_checkpoint
-from .te_cases import MODES, Mode, make_params, make_te_optimizer, train
+from .support.helpers import bits, peak_extra
+from .support.load_cases import raw_bits, vary_checkpoint
+from .support.te_cases import MODES, Mode, make_params, make_te_optimizer, train
 
 pytestmark = pytest.mark.gpu
 

@@ -1,8 +1,8 @@
 """Real Megatron-Core 0.19.2 with real TE on 1 and 2 GPUs, and the CPU stand-in checked against it.
 
-- ``test_the_stand_in_is_megatrons_code``: every method ``tests/megatron_verbatim.py`` copies has
-  exactly the installed ``DistributedOptimizer``'s source, and the integration recognizes the
-  installed class (so the CPU tests ran Megatron's own code).
+- ``test_the_stand_in_is_megatrons_code``: every method ``tests/support/megatron_verbatim.py``
+  copies has exactly the installed ``DistributedOptimizer``'s source, and the integration
+  recognizes the installed class (so the CPU tests ran Megatron's own code).
 - ``test_megatron_*``: ``benchmarks/megatron_ckpt.py --size test`` under torchrun (a BF16
   GPTModel from Megatron-LM's own setup, ``get_megatron_optimizer`` with BF16, FP16 and FP8
   moments on one GPU, ``dist_checkpointing`` torch_dist saves and loads of every sharding type on
@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 import torch
 
-from . import megatron_driver as md
-from . import megatron_standin as ms
+from .support import megatron_driver as md
+from .support import megatron_standin as ms
 
 
 def megatron_or_skip() -> Any:

@@ -11,10 +11,20 @@ import torch
 
 from te_ckpt_placement import current_placement, engine, export_placement, install
 
-from .helpers import assert_same_export, through_torch_save
-from .te_cases import BF16, FP8, FP16, FP32, MODES, Mode, make_params, make_te_optimizer, train
-from .test_faults import FAULTS, nth_call_raises
-from .test_gpu_te import live_bits
+from .support.faults import FAULTS, nth_call_raises
+from .support.helpers import assert_same_export, through_torch_save
+from .support.te_cases import (
+    BF16,
+    FP8,
+    FP16,
+    FP32,
+    MODES,
+    Mode,
+    live_bits,
+    make_params,
+    make_te_optimizer,
+    train,
+)
 
 pytestmark = pytest.mark.gpu
 

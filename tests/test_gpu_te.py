@@ -13,7 +13,7 @@ import torch
 from te_ckpt_placement import Placement, export_placement, install, te_contract, te_hooks
 from te_ckpt_placement.engine import materialize
 
-from .helpers import (
+from .support.helpers import (
     aliases_live,
     assert_owns_storage,
     assert_same_export,
@@ -24,7 +24,17 @@ from .helpers import (
     peak_extra,
     snapshot,
 )
-from .te_cases import FP8, FP16, MODES, Mode, make_params, make_te_optimizer, train
+from .support.storage import storage_kwargs
+from .support.te_cases import (
+    FP8,
+    FP16,
+    MODES,
+    Mode,
+    live_bits,
+    make_params,
+    make_te_optimizer,
+    train,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -84,7 +94,7 @@ def test_bf16_upcast_exhaustive_against_te() -> None:
 
     bf16 = torch.bfloat16
     param = torch.nn.Parameter(torch.zeros(1 << 16, device="cuda", dtype=bf16))
-    opt = FusedAdam([param], exp_avg_dtype=bf16, exp_avg_sq_dtype=bf16)
+    opt = FusedAdam([param], **storage_kwargs(moments=bf16, master="none"))
     opt.initialize_state(param, False)
     state = opt.state[param]["exp_avg"]
     every = torch.arange(-(1 << 15), 1 << 15, device="cuda", dtype=torch.int32)
@@ -103,7 +113,7 @@ def test_host_conversion_exhaustive_against_te_kernels(kind: str) -> None:
     moment = FP16 if kind == "fp16" else FP8
     patterns = 1 << 16 if kind == "fp16" else 1 << 8
     param = torch.nn.Parameter(torch.zeros(patterns, device="cuda", dtype=torch.bfloat16))
-    opt = FusedAdam([param], exp_avg_dtype=moment, exp_avg_sq_dtype=moment)
+    opt = FusedAdam([param], **storage_kwargs(moments=moment, master="none"))
     opt.initialize_state(param, False)
     state = opt.state[param]["exp_avg"]
     if kind == "fp16":
@@ -165,7 +175,7 @@ def test_outside_policy_te_export_is_unchanged() -> None:
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
 def test_standin_matches_te(mode: Mode) -> None:
     """The CPU stand-in keeps TE's storage contract: same layout, same export, same load."""
-    from .standin import StandInFloat8, StandInFusedAdam
+    from .support.standin import StandInFloat8, StandInFusedAdam
 
     params = make_params(mode)
     opt = make_te_optimizer(mode, params)
@@ -243,25 +253,6 @@ def test_subclass_with_real_te() -> None:
     assert te_params <= set(sig.parameters), te_params - set(sig.parameters)
     with pytest.raises(ValueError, match="valid values"):
         te_ckpt_placement.FusedAdam(params, state_dict_placement="cuda:0")
-
-
-def live_bits(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """Every live state's bytes and every scale, in parameter order."""
-    out = []
-    for group in opt.param_groups:
-        for p in group["params"]:
-            for name, value in opt.state.get(p, {}).items():
-                out.append(snapshot_one(value))
-                if p in opt._scales and name in opt._scales[p]:
-                    out.append(bits(opt._scales[p][name]))
-    return out
-
-
-def snapshot_one(value: Any) -> torch.Tensor:
-    v = value._local_tensor if hasattr(value, "_local_tensor") else value
-    if hasattr(v, "_data"):
-        return torch.cat([bits(v._data), bits(v._scale_inv)])
-    return bits(v)
 
 
 def state_ptrs(opt: torch.optim.Optimizer) -> list[int]:

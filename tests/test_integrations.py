@@ -34,7 +34,7 @@ from te_ckpt_placement.integrations._methods import (
     unplace_methods,
 )
 
-from .integration_probe import CPU
+from .support.integration_probe import CPU
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FRAMEWORKS = (
@@ -295,7 +295,7 @@ def test_recipe_without_a_wrapped_method_is_an_error() -> None:
 def test_recipe_load_initializes_fresh_te_states_first() -> None:
     # torch's get/set_optimizer_state_dict (Automodel's load_optimizer) would otherwise run a
     # fake step with zero gradients on the GPU for a fresh optimizer.
-    from .standin import make_optimizer
+    from .support.standin import make_optimizer
 
     class WithOptimizer(FakeBaseRecipe):
         def __init__(self) -> None:
@@ -512,8 +512,8 @@ def test_resume_initialize_equals_te_initialize_state(
     from te_ckpt_placement import export_placement
     from te_ckpt_placement.integrations import _resume
 
-    from .helpers import assert_snapshot_equal, snapshot
-    from .standin import make_optimizer
+    from .support.helpers import assert_snapshot_equal, snapshot
+    from .support.standin import make_optimizer
 
     def build() -> Any:
         torch.manual_seed(0)

@@ -36,7 +36,7 @@ from te_ckpt_placement import Placement, current_placement, export_placement  # 
 from te_ckpt_placement.integrations import hf  # noqa: E402
 from te_ckpt_placement.integrations._methods import placed_methods  # noqa: E402
 
-from .integration_probe import CPU, CallLog, ProbeAdamW, adam_steps  # noqa: E402
+from .support.integration_probe import CPU, CallLog, ProbeAdamW, adam_steps  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -492,8 +492,8 @@ def fsdp2_rank(rank: int, port: int, out: str, state_dict_type: str) -> None:
     from te_ckpt_placement import te_hooks
     from te_ckpt_placement.integrations import _resume
 
-    from .helpers import bits, local
-    from .standin import StandInFusedAdam, make_optimizer, train
+    from .support.helpers import bits, local
+    from .support.standin import StandInFusedAdam, make_optimizer, train
 
     os.environ.update(
         RANK=str(rank),

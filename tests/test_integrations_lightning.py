@@ -33,7 +33,7 @@ from te_ckpt_placement import Placement, current_placement, export_placement  # 
 from te_ckpt_placement.integrations import lightning as tl  # noqa: E402
 from te_ckpt_placement.integrations._methods import methods_owner, placed_methods  # noqa: E402
 
-from .integration_probe import CPU, CallLog, ProbeAdamW, adam_steps  # noqa: E402
+from .support.integration_probe import CPU, CallLog, ProbeAdamW, adam_steps  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning"
@@ -565,7 +565,7 @@ def test_strategy_missing_a_method_is_an_error() -> None:
 def test_state_dict_api_strategies_get_te_states_before_loading(tmp_path: Path) -> None:
     # FSDP/ModelParallel load_checkpoint runs torch's get/set_optimizer_state_dict, whose fake
     # step on a fresh optimizer puts zero gradients for every parameter on the GPU.
-    from .standin import make_optimizer
+    from .support.standin import make_optimizer
 
     class ModelParallelStrategy(FabricSingleDeviceStrategy):  # named like Lightning's
         pass

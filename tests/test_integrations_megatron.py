@@ -35,10 +35,10 @@ from te_ckpt_placement import ContractError, Placement, engine, export_placement
 from te_ckpt_placement.integrations import megatron
 from te_ckpt_placement.integrations._methods import placed_methods
 
-from . import megatron_driver as md
-from . import megatron_standin as ms
-from .helpers import bits
-from .standin import StandInFusedAdam
+from .support import megatron_driver as md
+from .support import megatron_standin as ms
+from .support.helpers import bits
+from .support.standin import StandInFusedAdam
 
 pytestmark = pytest.mark.usefixtures("hooked_standin")
 

@@ -12,9 +12,9 @@ import torch
 
 from te_ckpt_placement import engine, export_placement
 
-from .helpers import assert_same_export, assert_snapshot_equal, bits, local, snapshot
-from .load_cases import LAYOUTS, raw_bits, restride, vary_checkpoint, with_special_values
-from .standin import StandInFusedAdam, make_optimizer, train
+from .support.helpers import assert_same_export, assert_snapshot_equal, bits, local, snapshot
+from .support.load_cases import LAYOUTS, raw_bits, restride, vary_checkpoint, with_special_values
+from .support.standin import StandInFusedAdam, make_optimizer, train
 
 MOMENTS = [torch.float32, torch.bfloat16, torch.float16, torch.uint8]
 MASTERS = ["none", "fp32", "fp16", "remainder"]

@@ -13,12 +13,10 @@ from hypothesis import strategies as st
 
 from te_ckpt_placement import export_placement
 
-from .helpers import assert_same_export, through_torch_save
-from .standin import StandInFusedAdam, train
-from .test_faults import assert_view_equal, optimizer_view
-
-BF16, FP16, FP32, FP8 = torch.bfloat16, torch.float16, torch.float32, torch.uint8
-
+from .support.faults import assert_view_equal, optimizer_view
+from .support.helpers import assert_same_export, through_torch_save
+from .support.standin import StandInFusedAdam, train
+from .support.storage import BF16, FP8, FP16, FP32, MASTERS, storage_kwargs
 
 pytestmark = pytest.mark.usefixtures("hooked_standin")
 
@@ -27,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("hooked_standin")
 def layouts(draw: st.DrawFn) -> dict[str, Any]:
     exp_avg = draw(st.sampled_from([FP32, BF16, FP16, FP8]))
     exp_avg_sq = draw(st.sampled_from([FP32, BF16, FP16, FP8]))
-    master = draw(st.sampled_from(["none", "fp32", "fp16", "remainder"]))
+    master = draw(st.sampled_from(MASTERS))
     param_dtype = BF16 if master == "remainder" else draw(st.sampled_from([FP32, BF16]))
     # TE cannot keep scaled states of empty or 0-dim params (aminmax on empty, L298; an
     # in-place multiply by a [1]-shaped scale, L337), so those layouts get none.
@@ -59,11 +57,7 @@ def build(layout: dict[str, Any], seed: int) -> StandInFusedAdam:
     opt = StandInFusedAdam(
         groups,
         lr=1e-2,
-        master_weights=master != "none",
-        master_weight_dtype=FP16 if master == "fp16" else FP32,
-        exp_avg_dtype=layout["exp_avg"],
-        exp_avg_sq_dtype=layout["exp_avg_sq"],
-        store_param_remainders=master == "remainder",
+        **storage_kwargs(moments=layout["exp_avg"], exp_avg_sq=layout["exp_avg_sq"], master=master),
     )
     train(opt, steps=layout["steps"], seed=seed)
     return opt

@@ -4,14 +4,15 @@
 for TP = PP = 1 (``optimizer/param_layout.py``: each parameter starts on a 64-element boundary,
 each bucket ends on a multiple of ``lcm(DP, 128)``), derives this DP rank's ranges as
 ``DistributedOptimizer._build_model_gbuf_range`` does (``distrib_optimizer.py`` L134-257), and
-gives TE's ``FusedAdam`` (the CPU stand-in of ``tests/standin.py``) the parameter shards that
-``_build_model_and_main_param_groups`` gives it (L347-504).
+gives TE's ``FusedAdam`` (the CPU stand-in of ``tests/support/standin.py``) the parameter shards
+that ``_build_model_and_main_param_groups`` gives it (L347-504).
 
 The optimizer's class is either :class:`StandInDistributedOptimizer` (megatron-core 0.19.2's own
-checkpoint methods, copied in ``tests/megatron_verbatim.py``) or, where megatron-core imports,
-Megatron's real ``DistributedOptimizer``, built without its ``__init__`` (which needs CUDA, DDP
-buffers and process groups) but with the same attributes. The tests run on both flavours where
-both exist; ``tests/test_gpu_megatron.py`` also compares the copied source with the real one.
+checkpoint methods, copied in ``tests/support/megatron_verbatim.py``) or, where megatron-core
+imports, Megatron's real ``DistributedOptimizer``, built without its ``__init__`` (which needs
+CUDA, DDP buffers and process groups) but with the same attributes. The tests run on both
+flavours where both exist; ``tests/test_gpu_megatron.py`` also compares the copied source with
+the real one.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ import torch
 
 from . import megatron_support
 from .megatron_verbatim import VerbatimDistributedOptimizer
-from .standin import StandInFusedAdam, storage_kwargs
+from .standin import StandInFusedAdam
+from .storage import storage_kwargs
 
-# The Megatron methods that tests/megatron_verbatim.py copies (all from DistributedOptimizer).
+# The Megatron methods that megatron_verbatim.py copies (all from DistributedOptimizer).
 VERBATIM_METHODS = (
     "optimizer_state_keys",
     "_get_state_key_dtype",
@@ -269,7 +271,7 @@ def build(
 ) -> Built:
     """A DistributedOptimizer of ``api``'s class over bf16 parameters of ``sizes``, trained.
 
-    ``master`` and ``moments`` set TE's storage (``tests/standin.py``'s ``storage_kwargs``); with
+    ``master`` and ``moments`` set TE's storage (``storage.storage_kwargs``); with
     ``precision_aware=False`` TE keeps FP32 states of Megatron's FP32 main-parameter shards.
     Two parameter groups (weight decay and none), told apart by ``wd_mult`` as Megatron's are.
     """

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import io
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -47,6 +47,26 @@ def assert_same_export(ours: Any, ref: Any, where: str = "") -> None:
 
 def local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def tensors(tree: Any) -> Iterator[torch.Tensor]:
+    """Every tensor of a nest of dicts, lists and tuples, in order."""
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for value in tree.values():
+            yield from tensors(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from tensors(value)
+
+
+@torch.no_grad()
+def blank(tree: Any) -> None:
+    """Overwrites every tensor of a load template, so a load that skips one cannot pass."""
+    for t in tensors(tree):
+        loc = local(t)
+        loc.fill_(float("nan") if loc.is_floating_point() else -7)
 
 
 def exported_tensors(state_dict: dict[str, Any]) -> list[torch.Tensor]:

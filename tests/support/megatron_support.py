@@ -1,6 +1,6 @@
 """Stand-ins for the Megatron-Core names that the copied DistributedOptimizer methods use.
 
-``tests/megatron_verbatim.py`` holds megatron-core 0.19.2's own ``DistributedOptimizer``
+``tests/support/megatron_verbatim.py`` holds megatron-core 0.19.2's own ``DistributedOptimizer``
 checkpoint methods, byte for byte; they look these names up in their module at run time. Each one
 here keeps the part of Megatron's behaviour those methods rely on (megatron-core 0.19.2 paths):
 
@@ -43,7 +43,7 @@ param_group_identifier_keys = (
 
 ShardedStateDict = dict
 
-logger = logging.getLogger("tests.megatron_verbatim")
+logger = logging.getLogger("tests.support.megatron_verbatim")
 
 
 def log_single_rank(logger_: logging.Logger, level: int, msg: str) -> None:

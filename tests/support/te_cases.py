@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-BF16, FP16, FP32, FP8 = torch.bfloat16, torch.float16, torch.float32, torch.uint8
+from .helpers import bits
+from .storage import BF16, FP8, FP16, FP32, storage_kwargs
 
 
 @dataclass(frozen=True)
@@ -18,7 +19,7 @@ class Mode:
     param_dtype: torch.dtype
     exp_avg: torch.dtype
     exp_avg_sq: torch.dtype
-    master: str  # "none", "fp32", "fp16" or "remainder"
+    master: str  # one of storage.MASTERS
 
     @property
     def scaled(self) -> bool:
@@ -27,13 +28,7 @@ class Mode:
         return FP16 in moments or FP8 in moments or self.master == "fp16"
 
     def te_kwargs(self) -> dict[str, Any]:
-        return {
-            "exp_avg_dtype": self.exp_avg,
-            "exp_avg_sq_dtype": self.exp_avg_sq,
-            "master_weights": self.master != "none",
-            "master_weight_dtype": FP16 if self.master == "fp16" else FP32,
-            "store_param_remainders": self.master == "remainder",
-        }
+        return storage_kwargs(moments=self.exp_avg, exp_avg_sq=self.exp_avg_sq, master=self.master)
 
 
 MODES = [
@@ -104,3 +99,22 @@ def train(opt: torch.optim.Optimizer, steps: int = 3, seed: int = 0) -> None:
         opt.param_groups.append(last)
     opt.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
+
+
+def live_bits(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every live state's bytes and every scale, in parameter order."""
+    out = []
+    for group in opt.param_groups:
+        for p in group["params"]:
+            for name, value in opt.state.get(p, {}).items():
+                out.append(snapshot_one(value))
+                if p in opt._scales and name in opt._scales[p]:
+                    out.append(bits(opt._scales[p][name]))
+    return out
+
+
+def snapshot_one(value: Any) -> torch.Tensor:
+    v = value._local_tensor if hasattr(value, "_local_tensor") else value
+    if hasattr(v, "_data"):
+        return torch.cat([bits(v._data), bits(v._scale_inv)])
+    return bits(v)

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from .storage import storage_kwargs
+
 FP8_E4M3 = SimpleNamespace(name="kFloat8E4M3")
 
 
@@ -338,23 +340,8 @@ def make_optimizer(
     master: str = "fp32",
     lr: float = 1e-2,
 ) -> StandInFusedAdam:
-    """A stand-in configured like one of TE's storage modes.
-
-    ``master`` is ``"none"``, ``"fp32"``, ``"fp16"`` or ``"remainder"`` (FP32 masters stored as
-    int16 remainders of BF16 params).
-    """
+    """A stand-in configured like one of TE's storage modes (:mod:`.storage` names them)."""
     return StandInFusedAdam(params, lr=lr, **storage_kwargs(moments=moments, master=master))
-
-
-def storage_kwargs(*, moments: torch.dtype, master: str) -> dict[str, Any]:
-    """TE FusedAdam's constructor arguments for a storage mode (also used with the real TE)."""
-    return {
-        "master_weights": master != "none",
-        "master_weight_dtype": torch.float16 if master == "fp16" else torch.float32,
-        "exp_avg_dtype": moments,
-        "exp_avg_sq_dtype": moments,
-        "store_param_remainders": master == "remainder",
-    }
 
 
 def train(optimizer: torch.optim.Optimizer, steps: int = 2, seed: int = 0) -> None:

@@ -2,8 +2,8 @@
 
 Megatron's own ``GPTModel`` (local spec) in ``Float16Module`` and ``DistributedDataParallel``,
 ``get_megatron_optimizer`` and ``dist_checkpointing`` run as the GPU benchmark runs them, on gloo,
-with TE's ``FusedAdam`` replaced by the CPU stand-in of ``tests/standin.py`` (taking the arguments
-Megatron passes to TE). Tensors Megatron puts on ``"cuda"`` stay on the CPU (a
+with TE's ``FusedAdam`` replaced by the CPU stand-in of ``tests/support/standin.py`` (taking the
+arguments Megatron passes to TE). Tensors Megatron puts on ``"cuda"`` stay on the CPU (a
 ``TorchFunctionMode``) and its few other CUDA calls (device, streams, RNG) are pointed at the CPU;
 with ``--device cpu`` the driver runs on gloo and its GPU memory checks run without judging
 anything ("not measured on the CPU"). Everything else, the BF16 forward and backward, the saves
@@ -12,8 +12,8 @@ moments are left out (see :func:`main`).
 
 Usage (repository root, megatron-core 0.19.2 importable)::
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/megatron_cpu_run.py \
-        --size test --out FILE.json
+    python -m torch.distributed.run --standalone --nproc_per_node 2 \
+        tests/support/megatron_cpu_run.py --size test --out FILE.json
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class _CudaOnCpu(TorchFunctionMode):
@@ -102,7 +102,7 @@ def _standin_te() -> None:
     from packaging.version import Version
 
     from te_ckpt_placement import te_hooks
-    from tests.standin import StandInFusedAdam, _join_remainder, _split_remainder
+    from tests.support.standin import StandInFusedAdam, _join_remainder, _split_remainder
 
     class MegatronStandInFusedAdam(StandInFusedAdam):
         """The stand-in, taking what Megatron gives TE's FusedAdam (fused_adam.py L116-135)."""

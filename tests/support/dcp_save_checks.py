@@ -11,12 +11,10 @@ from __future__ import annotations
 import itertools
 import math
 import os
-import socket
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,29 +43,23 @@ from te_ckpt_placement.dcp import (
 )
 from te_ckpt_placement.dcp import lazy_state as lazy_state_module
 
-from .helpers import assert_same_export, bits, local, snapshot
+from . import distributed
+from .backends import Backend
+from .dcp_runs import wait
+from .helpers import assert_same_export, bits, blank, local, snapshot
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 GIB = 1 << 30
 BF16, FP16, FP32, FP8 = torch.bfloat16, torch.float16, torch.float32, torch.uint8
 
 
-@dataclass(frozen=True)
-class Backend:
-    """Where the checks run: the stand-in on the CPU, or TE on CUDA."""
-
-    device: str
-    make_optimizer: Callable[..., torch.optim.Optimizer]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def param_dtype(master: str) -> torch.dtype:
     return BF16 if master in ("remainder", "fp16") else FP32
+
+
+def gather(state: DTensor) -> torch.Tensor:
+    """The global tensor, on the host (a collective)."""
+    return distributed.gather(state).cpu()
 
 
 class Case:
@@ -166,39 +158,6 @@ def host_copy(tree: Any) -> Any:
     if isinstance(tree, tuple):
         return tuple(host_copy(v) for v in tree)
     return tree
-
-
-def gather(state: DTensor) -> torch.Tensor:
-    """The global tensor; gloo and NCCL cannot all-gather int16, so remainders travel widened."""
-    if state.dtype != torch.int16:
-        return state.full_tensor().cpu()
-    widened = DTensor.from_local(
-        state._local_tensor.to(torch.int32),
-        state.device_mesh,
-        state.placements,
-        shape=state.size(),
-        stride=state.stride(),
-    )
-    return widened.full_tensor().to(torch.int16).cpu()
-
-
-def tensors(tree: Any) -> Iterator[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, dict):
-        for value in tree.values():
-            yield from tensors(value)
-    elif isinstance(tree, (list, tuple)):
-        for value in tree:
-            yield from tensors(value)
-
-
-@torch.no_grad()
-def blank(tree: Any) -> None:
-    """Overwrites every tensor of a load template, so a load that skips one cannot pass."""
-    for t in tensors(tree):
-        loc = local(t)
-        loc.fill_(float("nan") if loc.is_floating_point() else -7)
 
 
 def n_states(export: dict[str, Any]) -> int:
@@ -309,15 +268,6 @@ class GatedWriter(StreamingWriter):
     def write_data(self, plan: Any, planner: Any) -> Any:
         assert self.gate.wait(timeout=300), "the test never opened the gate"
         return super().write_data(plan, planner)
-
-
-def wait(response: Any) -> None:
-    # torch 2.13 returns AsyncSaveResponse when staging is asynchronous, else a Future (2.11 too).
-    if hasattr(response, "upload_completion"):
-        response.staging_completion.result()
-        response.upload_completion.result()
-    else:
-        response.result()
 
 
 def rank() -> int:

@@ -1,185 +1,34 @@
-"""The TE adapter's hooking machinery against a fake ``transformer_engine`` package on disk.
+"""The hook scenarios of tests/test_te_hooks.py, each run in a fresh Python process.
 
-The scenarios run in fresh Python processes, because hooking TE's class, the import watcher and
-``install()``/``uninstall()`` change global import state that the pytest process must not keep.
-The fake package has TE 2.20.2's module path and ``FusedAdam`` constructor signature over the CPU
-stand-in's storage (``tests/standin.py``). The processes are started together when the first
-test needs one, so that their torch imports overlap.
+Hooking TE's class, the import watcher and ``install()``/``uninstall()`` change global import
+state that the pytest process must not keep, so each process runs::
+
+    python -c "from tests.support.te_scenarios import run; run('hooks')"
+
+with a fake ``transformer_engine`` (:mod:`tests.support.fake_te`) on ``PYTHONPATH`` as
+:data:`PROCESSES` says. Every process imports torch once (seconds), so related scenarios share
+one: :func:`run` runs a process's scenarios in order and prints ``PASSED`` + the scenario's name
+after each one that passed; a scenario after a failed one does not run.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import IO
-
-import pytest
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-FAKE_VERSION = "2.20.2+fake.te.adapter.test"
-TIMEOUT_S = 300
-# How long a slow import of the fake TE lasts, and how long a scenario waits for its threads
-# before calling them deadlocked.
-SLOW_IMPORT_S = 1.0
-DEADLOCK_S = 15
-
-# --- the fake transformer_engine package ----------------------------------------------------
-
-FAKE_TE_INIT = f'''\
-"""A fake Transformer Engine: just enough package for te_ckpt_placement's adapter tests."""
-
-__version__ = {FAKE_VERSION!r}
-'''
-
-# As in TE, importing transformer_engine.pytorch imports the optimizers and so fused_adam.
-FAKE_PYTORCH_INIT = "from . import optimizers  # noqa: F401\n"
-FAKE_OPTIMIZERS_INIT = "from .fused_adam import FusedAdam  # noqa: F401\n"
-
-FAKE_FUSED_ADAM = '''\
-"""transformer_engine/pytorch/optimizers/fused_adam.py of TE 2.20.2, on the CPU stand-in."""
-
-import torch
-
-from tests.standin import StandInFusedAdam
-
-
-class _StandInStorage(StandInFusedAdam):
-    # TE's FusedAdam derives from torch.optim.Optimizer directly: super(FusedAdam, opt)
-    # .state_dict() and .load_state_dict(), which the adapter calls, are torch's, not TE's.
-    state_dict = torch.optim.Optimizer.state_dict
-    load_state_dict = torch.optim.Optimizer.load_state_dict
-
-
-class FusedAdam(_StandInStorage):
-    """TE 2.20.2's constructor signature; TE's export and import defined on the class."""
-
-    def __init__(
-        self,
-        params,
-        lr=1e-3,
-        betas=(0.9, 0.999),
-        eps=1e-8,
-        weight_decay=0.0,
-        amsgrad=False,
-        *,
-        bias_correction=True,
-        adam_w_mode=True,
-        capturable=False,
-        master_weights=False,
-        master_weight_dtype=torch.float32,
-        exp_avg_dtype=torch.float32,
-        exp_avg_sq_dtype=torch.float32,
-        use_decoupled_grad=False,
-        store_param_remainders=False,
-        set_grad_none=None,
-    ):
-        if amsgrad:
-            raise RuntimeError("FusedAdam does not support the AMSGrad variant.")
-        super().__init__(
-            params,
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            master_weights=master_weights,
-            master_weight_dtype=master_weight_dtype,
-            exp_avg_dtype=exp_avg_dtype,
-            exp_avg_sq_dtype=exp_avg_sq_dtype,
-            store_param_remainders=store_param_remainders,
-        )
-        # What the constructor received, so tests can check that subclasses pass it through.
-        self.te_init_args = dict(
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            amsgrad=amsgrad,
-            bias_correction=bias_correction,
-            adam_w_mode=adam_w_mode,
-            capturable=capturable,
-            master_weights=master_weights,
-            master_weight_dtype=master_weight_dtype,
-            exp_avg_dtype=exp_avg_dtype,
-            exp_avg_sq_dtype=exp_avg_sq_dtype,
-            use_decoupled_grad=use_decoupled_grad,
-            store_param_remainders=store_param_remainders,
-            set_grad_none=set_grad_none,
-        )
-
-    # TE L482-548 (the stand-in's copies; their zero-argument super() reaches torch's).
-    state_dict = StandInFusedAdam.state_dict
-    load_state_dict = StandInFusedAdam.load_state_dict
-
-
-# For the tests: TE's own functions, which the hooks wrap and uninstall() restores.
-ORIGINALS = {name: FusedAdam.__dict__[name] for name in ("state_dict", "load_state_dict")}
-'''
-
-# A FusedAdam of a hypothetical TE release that dropped get_unscaled_state.
-FAKE_FUSED_ADAM_WITHOUT_CONTRACT = '''\
-"""fused_adam.py of a TE release whose FusedAdam has no get_unscaled_state."""
-
-import torch
-
-
-class FusedAdam(torch.optim.Optimizer):
-    def __init__(self, params, lr=1e-3):
-        super().__init__(params, {"lr": lr})
-
-    def state_dict(self):
-        return super().state_dict()
-
-    def load_state_dict(self, state_dict):
-        super().load_state_dict(state_dict)
-
-    def set_scaled_state(self, param, state_name, unscaled_state):
-        self.state[param][state_name] = unscaled_state
-
-
-ORIGINALS = {name: FusedAdam.__dict__[name] for name in ("state_dict", "load_state_dict")}
-'''
-
-# The same FusedAdam, in a module that is slow to import (TE's takes seconds): meanwhile another
-# thread finds the module in sys.modules, without FusedAdam yet.
-FAKE_FUSED_ADAM_SLOW = f"import time\n\ntime.sleep({SLOW_IMPORT_S})\n\n" + FAKE_FUSED_ADAM
-
-FAKES = {
-    "fake_te": FAKE_FUSED_ADAM,
-    "fake_te_without_contract": FAKE_FUSED_ADAM_WITHOUT_CONTRACT,
-    "fake_te_slow": FAKE_FUSED_ADAM_SLOW,
-}
-
-
-def write_fake_te(root: Path, fused_adam_source: str) -> Path:
-    package = root / "transformer_engine"
-    optimizers = package / "pytorch" / "optimizers"
-    optimizers.mkdir(parents=True)
-    (package / "__init__.py").write_text(FAKE_TE_INIT)
-    (package / "pytorch" / "__init__.py").write_text(FAKE_PYTORCH_INIT)
-    (optimizers / "__init__.py").write_text(FAKE_OPTIMIZERS_INIT)
-    (optimizers / "fused_adam.py").write_text(fused_adam_source)
-    return root
-
-
-# --- what every scenario process runs first -------------------------------------------------
-
-PRELUDE = f"""
 import faulthandler
 import importlib
 import importlib.abc
+import importlib.machinery
 import importlib.metadata
 import importlib.util
 import inspect
+import linecache
 import sys
 import threading
 import time
 import traceback
 import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -194,7 +43,9 @@ from te_ckpt_placement import (
     te_hooks,
     uninstall,
 )
-from tests.helpers import (
+
+from .fake_te import VERSION as FAKE_VERSION
+from .helpers import (
     aliases_live,
     assert_same_export,
     assert_snapshot_equal,
@@ -202,21 +53,62 @@ from tests.helpers import (
     live_storages,
     snapshot,
 )
-from tests.standin import train
+from .standin import train
 
-FAKE_VERSION = {FAKE_VERSION!r}
-DEADLOCK_S = {DEADLOCK_S!r}
+# How long a slow import of the fake TE lasts, and how long a scenario waits for its threads
+# before calling them deadlocked.
+SLOW_IMPORT_S = 1.0
+DEADLOCK_S = 15
 TE_MODULE = "transformer_engine.pytorch.optimizers.fused_adam"
 MARK = te_hooks.MARK
-"""
+PASSED = "scenario passed: "
 
-PRELUDE += '''
 
-def te_loaded():
+@dataclass(frozen=True)
+class Process:
+    """What a scenario process gets: a fake TE (None: no transformer_engine at all)."""
+
+    fake: str | None
+    import_delay_s: float = 0.0
+
+
+PROCESSES: dict[str, Process] = {
+    "no_te": Process(None),
+    "hooks": Process("fake_te"),
+    "watcher": Process("fake_te"),
+    "install_race": Process("fake_te", import_delay_s=SLOW_IMPORT_S),
+    "policy_race": Process("fake_te", import_delay_s=SLOW_IMPORT_S),
+    "contract": Process("fake_te_without_contract"),
+    "package": Process("fake_te"),
+}
+SCENARIOS: dict[str, list[Callable[[], None]]] = {name: [] for name in PROCESSES}
+
+
+def scenario(process: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
+    """Adds the decorated function to ``process``'s scenarios, after those defined before it."""
+
+    def register(fn: Callable[[], None]) -> Callable[[], None]:
+        SCENARIOS[process].append(fn)
+        return fn
+
+    return register
+
+
+def run(process: str) -> None:
+    """Runs ``process``'s scenarios in order; prints a marker after each one that passed."""
+    if process not in SCENARIOS:
+        raise ValueError(f"unknown process {process!r}: valid values are {sorted(SCENARIOS)}")
+    for fn in SCENARIOS[process]:
+        fn()
+        print(PASSED + fn.__name__, flush=True)
+
+
+# --- what the scenarios share -------------------------------------------------------------------
+def te_loaded() -> bool:
     return any(n.split(".")[0] == "transformer_engine" for n in sys.modules)
 
 
-def te_distribution_installed():
+def te_distribution_installed() -> bool:
     """True where a real TE's metadata exists: te_version() then reports it, not the fake's."""
     for dist in ("transformer_engine", "transformer-engine"):
         try:
@@ -227,38 +119,37 @@ def te_distribution_installed():
     return False
 
 
-def params(seed=0):
+def params(seed: int = 0) -> list[torch.nn.Parameter]:
     gen = torch.Generator().manual_seed(seed)
     shapes = [(7, 5), (13,), (3, 4, 2)]
     return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
 
 
-def streamed(sd, live):
+def streamed(sd: dict[str, Any], live: set[int]) -> bool:
     """Every state is exported, as a CPU tensor that shares no storage with the live state."""
     tensors = exported_tensors(sd)
-    return (
-        len(tensors) > 0
-        and all(t.device.type == "cpu" and not aliases_live(t, live) for t in tensors)
+    return len(tensors) > 0 and all(
+        t.device.type == "cpu" and not aliases_live(t, live) for t in tensors
     )
 
 
-def te_export(sd, live):
+def te_export(sd: dict[str, Any], live: set[int]) -> bool:
     """TE's own export: its FP32 states (every master_param here) are the live tensors."""
     masters = [states["master_param"] for states in sd["state"].values()]
     return len(masters) > 0 and all(aliases_live(t, live) for t in masters)
 
 
-def hooked_once(cls, originals):
+def hooked_once(cls: type, originals: dict[str, Any]) -> bool:
     """Both methods are hooks, each wrapping TE's own function: one layer, not more."""
     return all(getattr(cls.__dict__.get(n), MARK, None) is f for n, f in originals.items())
 
 
-def unhooked(cls, originals):
+def unhooked(cls: type, originals: dict[str, Any]) -> bool:
     """Both methods are exactly TE's own functions."""
     return all(cls.__dict__.get(n) is f for n, f in originals.items())
 
 
-def raises(exc_type, action):
+def raises(exc_type: type[BaseException], action: Callable[[], object]) -> str:
     """The message of the exc_type that action() raises; fails if it raises nothing."""
     try:
         action()
@@ -267,29 +158,29 @@ def raises(exc_type, action):
     raise AssertionError(f"{action} did not raise {exc_type.__name__}")
 
 
-def watchers():
+def watchers() -> list[object]:
     return [f for f in sys.meta_path if isinstance(f, te_hooks._ImportWatcher)]
 
 
-def in_thread(name, action):
+def in_thread(name: str, action: Callable[[], object]) -> tuple[threading.Thread, list[str]]:
     """Runs action() in a daemon thread (a deadlocked one cannot keep the process alive).
 
     Returns the thread and the list its traceback goes to if action() raises.
     """
-    errors = []
+    errors: list[str] = []
 
-    def run():
+    def target() -> None:
         try:
             action()
         except BaseException:
             errors.append(f"{name}: {traceback.format_exc()}")
 
-    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread = threading.Thread(target=target, name=name, daemon=True)
     thread.start()
     return thread, errors
 
 
-def join_or_fail(threads, errors):
+def join_or_fail(threads: Sequence[threading.Thread], errors: list[str]) -> None:
     """Fails, showing every thread's stack, unless all finish within DEADLOCK_S without error."""
     deadline = time.monotonic() + DEADLOCK_S
     for thread in threads:
@@ -298,10 +189,10 @@ def join_or_fail(threads, errors):
     if stuck:
         faulthandler.dump_traceback(all_threads=True)
         raise AssertionError(f"deadlock: {stuck} still running after {DEADLOCK_S} s")
-    assert not errors, "\\n".join(errors)
+    assert not errors, "\n".join(errors)
 
 
-def import_te_slowly():
+def import_te_slowly() -> tuple[threading.Thread, list[str]]:
     """Starts importing the slow fake TE in a thread; returns once it is half-imported.
 
     That is: TE's optimizer module is in sys.modules, holding its import lock, and its FusedAdam is
@@ -317,52 +208,17 @@ def import_te_slowly():
     assert not hasattr(module, "FusedAdam"), "the slow import finished before the race began"
     return thread, errors
 
-'''
 
-# --- the scenarios, grouped into a few processes -----------------------------------------------
-#
-# Every process imports torch once (seconds), so related scenarios share one. Each scenario is a
-# section: a function that runs after the previous one passed and then prints its marker, so each
-# test reports its own section; a section after a failed one reports that it did not run.
-
-# process name -> the fake package on its PYTHONPATH (None: no transformer_engine at all)
-PROCESSES: dict[str, str | None] = {
-    "no_te": None,
-    "hooks": "fake_te",
-    "watcher": "fake_te",
-    "install_race": "fake_te_slow",
-    "policy_race": "fake_te_slow",
-    "contract": "fake_te_without_contract",
-    "package": "fake_te",
-}
-SECTIONS: dict[str, list[tuple[str, str]]] = {name: [] for name in PROCESSES}
-PASSED = "section passed: "
-
-
-def section(process: str, test: str, body: str) -> None:
-    function = f"def {test}():\n" + textwrap.indent(textwrap.dedent(body), "    ")
-    marker = f"print({PASSED + test!r}, flush=True)"
-    SECTIONS[process].append((test, f"{function}\n\n{test}()\n{marker}"))
-
-
-def process_script(process: str) -> str:
-    return "\n\n".join([PRELUDE, *(code for _, code in SECTIONS[process])]) + "\n"
-
-
-def process_of(test: str) -> str:
-    return next(p for p, sections in SECTIONS.items() if test in dict(sections))
-
-
-section(
-    "no_te",
-    "test_install_without_te_raises_import_error",
-    """
+# --- no transformer_engine ----------------------------------------------------------------------
+@scenario("no_te")
+def install_without_te_raises_import_error() -> None:
     class BlockTE(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path, target=None):
+        def find_spec(
+            self, name: str, path: Sequence[str] | None, target: Any = None
+        ) -> importlib.machinery.ModuleSpec | None:
             if name == "transformer_engine" or name.startswith("transformer_engine."):
                 raise ModuleNotFoundError(f"No module named {name!r}", name=name)
             return None
-
 
     if importlib.util.find_spec("transformer_engine") is not None:
         sys.meta_path.insert(0, BlockTE())  # a real TE on this machine: make it unimportable
@@ -382,13 +238,11 @@ section(
     # ...which uninstall() disarms.
     uninstall()
     assert not any(isinstance(f, te_hooks._ImportWatcher) for f in sys.meta_path)
-    """,
-)
 
-section(
-    "hooks",
-    "test_policy_entry_hooks_imported_te",
-    """
+
+# --- hooks: TE imported before any policy -------------------------------------------------------
+@scenario("hooks")
+def policy_entry_hooks_imported_te() -> None:
     assert not te_loaded(), "import te_ckpt_placement imported transformer_engine"
     import transformer_engine.pytorch
     from transformer_engine.pytorch.optimizers.fused_adam import ORIGINALS, FusedAdam
@@ -438,31 +292,29 @@ section(
         opt.load_state_dict(ours)
     assert all(opt.state[p][n] is not t for p, s in states.items() for n, t in s.items())
     assert_snapshot_equal(before, snapshot(opt))
-    """,
-)
 
-section(
-    "hooks",
-    "test_subclasses_follow_policy",
-    """
+
+@scenario("hooks")
+def subclasses_follow_policy() -> None:
     from transformer_engine.pytorch.optimizers.fused_adam import FusedAdam
-
 
     class Inheriting(FusedAdam):
         pass
 
-
     class Overriding(FusedAdam):
-        def state_dict(self):
-            sd = super().state_dict()
+        def state_dict(self) -> dict[str, Any]:
+            sd: dict[str, Any] = super().state_dict()
             sd["subclass"] = "extra"
             return sd
 
-
     overriding_method = Overriding.__dict__["state_dict"]
     for cls in (Inheriting, Overriding):
-        opt = cls(params(), master_weights=True, exp_avg_dtype=torch.bfloat16,
-                  exp_avg_sq_dtype=torch.bfloat16)
+        opt = cls(
+            params(),
+            master_weights=True,
+            exp_avg_dtype=torch.bfloat16,
+            exp_avg_sq_dtype=torch.bfloat16,
+        )
         train(opt)
         live = live_storages(opt)
         before = snapshot(opt)
@@ -479,17 +331,15 @@ section(
     # Only TE's class is hooked; subclasses are left as they were defined.
     assert "state_dict" not in Inheriting.__dict__
     assert Overriding.__dict__["state_dict"] is overriding_method
-    """,
-)
 
-section(
-    "hooks",
-    "test_instance_contract_error_leaves_state_unchanged",
-    """
+
+@scenario("hooks")
+def instance_contract_error_leaves_state_unchanged() -> None:
     from transformer_engine.pytorch.optimizers.fused_adam import FusedAdam
 
-    opt = FusedAdam(params(), master_weights=True, exp_avg_dtype=torch.float16,
-                    exp_avg_sq_dtype=torch.float16)
+    opt = FusedAdam(
+        params(), master_weights=True, exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.float16
+    )
     train(opt)
     before = snapshot(opt)
     version = te_contract.te_version()
@@ -497,11 +347,9 @@ section(
         assert version == FAKE_VERSION, version
     del opt.name_to_dtype_map
 
-
-    def export():
+    def export() -> None:
         with export_placement("cpu"):
             opt.state_dict()
-
 
     message = raises(te_contract.ContractError, export)
     assert f"FusedAdam lacks name_to_dtype_map (transformer_engine {version};" in message, message
@@ -511,17 +359,14 @@ section(
     message = raises(te_contract.ContractError, export)
     assert "lacks name_to_dtype_map, store_param_remainders (" in message, message
     assert_snapshot_equal(before, snapshot(opt))
-    """,
-)
 
-section(
-    "hooks",
-    "test_install_idempotent_uninstall_restores_and_warns",
-    """
+
+@scenario("hooks")
+def install_idempotent_uninstall_restores_and_warns() -> None:
     from transformer_engine.pytorch.optimizers.fused_adam import ORIGINALS, FusedAdam
 
     assert not any(hasattr(f, MARK) for f in ORIGINALS.values())
-    assert is_installed()  # hooked by the policies of the earlier sections
+    assert is_installed()  # hooked by the policies of the earlier scenarios
     install()
     assert hooked_once(FusedAdam, ORIGINALS)
     uninstall()
@@ -535,8 +380,9 @@ section(
     assert hooked_once(FusedAdam, ORIGINALS)
     assert is_installed()
 
-    opt = FusedAdam(params(), master_weights=True, exp_avg_dtype=torch.bfloat16,
-                    exp_avg_sq_dtype=torch.bfloat16)
+    opt = FusedAdam(
+        params(), master_weights=True, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16
+    )
     train(opt)
     live = live_storages(opt)
     with export_placement("cpu"):
@@ -558,7 +404,10 @@ section(
     found = [w for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(found) == 1, [str(w.message) for w in caught]
     assert "install()" in str(found[0].message)
-    assert found[0].filename == "<string>", found[0].filename  # points at the `with` line
+    # The warning points at the `with` line, here.
+    assert found[0].filename == __file__, found[0].filename
+    line = linecache.getline(found[0].filename, found[0].lineno)
+    assert 'with export_placement("cpu"):' in line, (found[0].lineno, line)
 
     install()
     assert is_installed()
@@ -576,13 +425,11 @@ section(
             with export_placement("cpu"):
                 pass
     assert len([w for w in caught if issubclass(w.category, RuntimeWarning)]) == 1
-    """,
-)
 
-section(
-    "watcher",
-    "test_import_watcher_hooks_te_imported_inside_policy",
-    """
+
+# --- the import watcher: TE imported inside a policy --------------------------------------------
+@scenario("watcher")
+def import_watcher_hooks_te_imported_inside_policy() -> None:
     assert not te_loaded()
     with export_placement("cpu"):
         assert not is_installed()
@@ -591,8 +438,12 @@ section(
 
         assert is_installed(), "TE imported inside a policy was not hooked"
         assert not any(isinstance(f, te_hooks._ImportWatcher) for f in sys.meta_path)
-        opt = FusedAdam(params(), master_weights=True, exp_avg_dtype=torch.bfloat16,
-                        exp_avg_sq_dtype=torch.bfloat16)
+        opt = FusedAdam(
+            params(),
+            master_weights=True,
+            exp_avg_dtype=torch.bfloat16,
+            exp_avg_sq_dtype=torch.bfloat16,
+        )
         train(opt)
         live = live_storages(opt)
         ours = opt.state_dict()
@@ -601,45 +452,45 @@ section(
     assert te_export(reference, live)
     assert streamed(ours, live)
     assert_same_export(ours, reference)
-    """,
-)
 
-section(
-    "watcher",
-    "test_threads_race_hooking_and_exports",
-    """
+
+@scenario("watcher")
+def threads_race_hooking_and_exports() -> None:
     from transformer_engine.pytorch.optimizers.fused_adam import ORIGINALS, FusedAdam
 
     sys.setswitchinterval(1e-6)
-    ROUNDS, EXPORTS = 30, 2
-    MOMENTS = [torch.float32, torch.bfloat16, torch.float16, torch.uint8]
+    rounds, exports = 30, 2
+    moments_by_pair = [torch.float32, torch.bfloat16, torch.float16, torch.uint8]
 
     # Even-numbered exporters stream under "cpu" (every storage mode); odd ones run TE's export
     # under None, with FP32 states only, so that every exported tensor aliases the live state.
-    exporters = []
+    exporters: list[tuple[Any, str | None, dict[str, Any], set[int]]] = []
     for k in range(8):
         device = "cpu" if k % 2 == 0 else None
-        moments = MOMENTS[k // 2] if device else torch.float32
-        opt = FusedAdam(params(seed=k), lr=1e-2, master_weights=True, exp_avg_dtype=moments,
-                        exp_avg_sq_dtype=moments)
+        moments = moments_by_pair[k // 2] if device else torch.float32
+        opt = FusedAdam(
+            params(seed=k),
+            lr=1e-2,
+            master_weights=True,
+            exp_avg_dtype=moments,
+            exp_avg_sq_dtype=moments,
+        )
         train(opt, seed=k)
         with export_placement(None):
             reference = opt.state_dict()
         exporters.append((opt, device, reference, live_storages(opt)))
 
     barrier = threading.Barrier(17, timeout=120)
-    errors = []
+    errors: list[str] = []
 
-
-    def install_or_enter(k, j):
+    def install_or_enter(k: int, j: int) -> None:
         if (k + j) % 2:
             install()
         else:
             with export_placement("cpu"):
                 pass
 
-
-    def export(k, j):
+    def export(k: int, j: int) -> None:
         opt, device, reference, live = exporters[k]
         with export_placement(device):
             sd = opt.state_dict()
@@ -649,25 +500,23 @@ section(
         else:
             assert all(aliases_live(t, live) for t in exported_tensors(sd)), f"exporter {k}"
 
-
-    def worker(action, k):
+    def worker(action: Callable[[int, int], None], k: int) -> None:
         try:
-            for _ in range(ROUNDS):
+            for _ in range(rounds):
                 barrier.wait()
-                for j in range(EXPORTS):
+                for j in range(exports):
                     action(k, j)
                 barrier.wait()
         except BaseException:
             errors.append(traceback.format_exc())
             barrier.abort()
 
-
     threads = [threading.Thread(target=worker, args=(install_or_enter, k)) for k in range(8)]
     threads += [threading.Thread(target=worker, args=(export, k)) for k in range(8)]
     for t in threads:
         t.start()
     try:
-        for r in range(ROUNDS):
+        for r in range(rounds):
             te_hooks.unpatch_class(FusedAdam)  # unhooked again: the next round races to hook
             assert unhooked(FusedAdam, ORIGINALS) and not is_installed()
             barrier.wait()
@@ -684,13 +533,11 @@ section(
     for t in threads:
         t.join()
     assert not errors, errors[0]
-    """,
-)
 
-section(
-    "install_race",
-    "test_install_during_watched_import_does_not_deadlock",
-    """
+
+# --- races with a slow import of TE -------------------------------------------------------------
+@scenario("install_race")
+def install_during_watched_import_does_not_deadlock() -> None:
     # Regression: install() imported TE while holding te_hooks._lock, and the import watcher's
     # hook, which runs inside TE's module import lock, takes _lock: each thread waited for the
     # other, for ever.
@@ -713,13 +560,10 @@ section(
     live = live_storages(opt)
     with export_placement("cpu"):
         assert streamed(opt.state_dict(), live)
-    """,
-)
 
-section(
-    "policy_race",
-    "test_policy_entered_during_import_waits_and_hooks",
-    """
+
+@scenario("policy_race")
+def policy_entered_during_import_waits_and_hooks() -> None:
     # Regression: a policy entered while another thread was importing TE's optimizer module (in
     # sys.modules, FusedAdam not defined yet) neither hooked the class nor armed the watcher, so
     # the export inside that very policy silently ran TE's own, aliasing the live FP32 state.
@@ -746,13 +590,11 @@ section(
         reference = opt.state_dict()
     assert te_export(reference, live)
     assert_same_export(ours, reference)
-    """,
-)
 
-section(
-    "contract",
-    "test_incompatible_te_imported_after_policy_imports_then_policy_raises",
-    """
+
+# --- a TE whose FusedAdam breaks the storage contract -------------------------------------------
+@scenario("contract")
+def incompatible_te_imported_after_policy_imports_then_policy_raises() -> None:
     # Regression: with the import watcher armed, importing a TE whose FusedAdam breaks the
     # contract raised the ContractError out of TE's own import, outside any policy.
     assert not te_loaded()
@@ -769,35 +611,28 @@ section(
     opt = FusedAdam(params())
     assert list(opt.state_dict()) == ["state", "param_groups"]  # outside a policy: TE's own
 
-
-    def enter_policy():
+    def enter_policy() -> None:
         with export_placement("cpu"):
             raise AssertionError("entered a policy over a FusedAdam that breaks the contract")
-
 
     # The next policy entry raises, where the user asked for the streaming export.
     message = raises(te_contract.ContractError, enter_policy)
     assert "FusedAdam lacks get_unscaled_state (" in message, message
     assert current_placement() is None
     assert unhooked(FusedAdam, ORIGINALS)
-    """,
-)
 
-section(
-    "contract",
-    "test_class_contract_error_names_attribute_and_version",
-    """
+
+@scenario("contract")
+def class_contract_error_names_attribute_and_version() -> None:
     from transformer_engine.pytorch.optimizers.fused_adam import ORIGINALS, FusedAdam
 
     version = te_contract.te_version()
     if not te_distribution_installed():
         assert version == FAKE_VERSION, version
 
-
-    def enter_policy():
+    def enter_policy() -> None:
         with export_placement("cpu"):
             raise AssertionError("entered a policy over a FusedAdam that breaks the contract")
-
 
     for action in (install, enter_policy):
         message = raises(te_contract.ContractError, action)
@@ -807,21 +642,20 @@ section(
         assert unhooked(FusedAdam, ORIGINALS)
         assert not is_installed()
         assert current_placement() is None
-    """,
-)
 
-section(
-    "package",
-    "test_package_fused_adam_against_fake_te",
-    """
+
+# --- te_ckpt_placement.FusedAdam over the fake --------------------------------------------------
+@scenario("package")
+def package_fused_adam_against_fake_te() -> None:
     assert not te_loaded(), "import te_ckpt_placement imported transformer_engine"
     assert "te_ckpt_placement.fused_adam" not in sys.modules
-    PackageFusedAdam = te_ckpt_placement.FusedAdam
+    PackageFusedAdam = te_ckpt_placement.FusedAdam  # noqa: N806  (a class)
     assert te_loaded()
-    from te_ckpt_placement import FusedAdam as imported
     from transformer_engine.pytorch.optimizers.fused_adam import FusedAdam as TEFusedAdam
 
-    assert imported is PackageFusedAdam
+    from te_ckpt_placement import FusedAdam as ImportedFusedAdam
+
+    assert ImportedFusedAdam is PackageFusedAdam
     assert PackageFusedAdam.__mro__[1] is TEFusedAdam
     assert not is_installed(), "importing te_ckpt_placement.FusedAdam hooked TE"
 
@@ -833,20 +667,24 @@ section(
     assert list(signature.parameters) == [*te_names, "state_dict_placement"], signature
 
     # Every TE argument reaches TE's constructor unchanged.
-    te_args = dict(
+    te_args: dict[str, Any] = dict(
         lr=0.25, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.01, amsgrad=False,
         bias_correction=False, adam_w_mode=False, capturable=True, master_weights=True,
         master_weight_dtype=torch.float16, exp_avg_dtype=torch.bfloat16,
         exp_avg_sq_dtype=torch.float16, use_decoupled_grad=True, store_param_remainders=True,
         set_grad_none=True,
-    )
+    )  # fmt: skip
     opt = PackageFusedAdam(params(), **te_args, state_dict_placement=torch.device("cpu"))
     assert opt.te_init_args == te_args, opt.te_init_args
     assert opt.state_dict_placement == Placement(device="cpu")
 
-    opt = PackageFusedAdam(params(), exp_avg_dtype=torch.bfloat16,
-                           exp_avg_sq_dtype=torch.bfloat16, master_weights=True,
-                           state_dict_placement="cpu")
+    opt = PackageFusedAdam(
+        params(),
+        exp_avg_dtype=torch.bfloat16,
+        exp_avg_sq_dtype=torch.bfloat16,
+        master_weights=True,
+        state_dict_placement="cpu",
+    )
     assert opt.state_dict_placement == Placement(device="cpu")
     train(opt)
     live = live_storages(opt)
@@ -890,152 +728,3 @@ section(
 
     message = raises(ValueError, lambda: PackageFusedAdam(params(), state_dict_placement="cuda:7"))
     assert "'cuda:7'" in message and "'cpu'" in message and "None" in message, message
-    """,
-)
-# --- running the scenario processes ----------------------------------------------------------
-
-
-@dataclass
-class Launched:
-    process: subprocess.Popen[bytes]
-    stdout: IO[bytes]
-    stderr: IO[bytes]
-    output: tuple[int, str, str] | None = None
-
-
-@dataclass
-class Processes:
-    """This module's scenario processes, started together and awaited when a test needs one."""
-
-    workdir: Path
-    roots: dict[str, Path]
-    launched: dict[str, Launched] = field(default_factory=dict)
-
-    def start(self, name: str) -> None:
-        fake = PROCESSES[name]
-        path = [str(self.roots[fake])] if fake else []
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([*path, str(REPO_ROOT)])}
-        env["PYTHONDONTWRITEBYTECODE"] = "1"
-        stdout = (self.workdir / f"{name}.out").open("w+b")
-        stderr = (self.workdir / f"{name}.err").open("w+b")
-        process = subprocess.Popen(
-            [sys.executable, "-c", process_script(name)],
-            cwd=self.workdir,
-            env=env,
-            stdout=stdout,
-            stderr=stderr,
-        )
-        self.launched[name] = Launched(process, stdout, stderr)
-
-    def result(self, name: str) -> tuple[int, str, str]:
-        run = self.launched[name]
-        if run.output is None:
-            returncode = run.process.wait(timeout=TIMEOUT_S)
-            run.stdout.seek(0)
-            run.stderr.seek(0)
-            out = run.stdout.read().decode(errors="replace")
-            err = run.stderr.read().decode(errors="replace")
-            run.output = (returncode, out, err)
-        return run.output
-
-    def check(self, test: str) -> None:
-        process = process_of(test)
-        returncode, out, err = self.result(process)
-        if PASSED + test in out.splitlines():
-            return
-        earlier = [t for t, _ in SECTIONS[process]]
-        earlier = earlier[: earlier.index(test)]
-        failed = next((t for t in earlier if PASSED + t not in out.splitlines()), None)
-        if failed is not None:
-            pytest.fail(f"did not run: {failed} failed before it in process {process!r}")
-        pytest.fail(f"process {process!r} exited with {returncode}:\n{err}\n{out}")
-
-    def close(self) -> None:
-        for run in self.launched.values():
-            if run.process.poll() is None:
-                run.process.kill()
-                run.process.wait()
-            run.stdout.close()
-            run.stderr.close()
-
-
-@pytest.fixture(scope="module")
-def scenarios(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Processes]:
-    base = tmp_path_factory.mktemp("te_adapter")
-    roots = {name: write_fake_te(base / name, source) for name, source in FAKES.items()}
-    workdir = base / "work"
-    workdir.mkdir()
-    selected = {
-        process_of(item.name)
-        for item in request.session.items
-        if getattr(item, "module", None) is sys.modules[__name__]
-        and any(item.name in dict(sections) for sections in SECTIONS.values())
-    }
-    processes = Processes(workdir, roots)
-    try:
-        for name in PROCESSES:
-            if name in selected:
-                processes.start(name)
-        yield processes
-    finally:
-        processes.close()
-
-
-def test_every_section_has_a_test() -> None:
-    tests = [test for sections in SECTIONS.values() for test, _ in sections]
-    assert len(tests) == len(set(tests))
-    assert set(tests) == {name for name in globals() if name.startswith("test_")} - {
-        "test_every_section_has_a_test"
-    }
-
-
-def test_install_without_te_raises_import_error(scenarios: Processes) -> None:
-    scenarios.check("test_install_without_te_raises_import_error")
-
-
-def test_policy_entry_hooks_imported_te(scenarios: Processes) -> None:
-    scenarios.check("test_policy_entry_hooks_imported_te")
-
-
-def test_subclasses_follow_policy(scenarios: Processes) -> None:
-    scenarios.check("test_subclasses_follow_policy")
-
-
-def test_instance_contract_error_leaves_state_unchanged(scenarios: Processes) -> None:
-    scenarios.check("test_instance_contract_error_leaves_state_unchanged")
-
-
-def test_install_idempotent_uninstall_restores_and_warns(scenarios: Processes) -> None:
-    scenarios.check("test_install_idempotent_uninstall_restores_and_warns")
-
-
-def test_import_watcher_hooks_te_imported_inside_policy(scenarios: Processes) -> None:
-    scenarios.check("test_import_watcher_hooks_te_imported_inside_policy")
-
-
-def test_threads_race_hooking_and_exports(scenarios: Processes) -> None:
-    scenarios.check("test_threads_race_hooking_and_exports")
-
-
-def test_install_during_watched_import_does_not_deadlock(scenarios: Processes) -> None:
-    scenarios.check("test_install_during_watched_import_does_not_deadlock")
-
-
-def test_policy_entered_during_import_waits_and_hooks(scenarios: Processes) -> None:
-    scenarios.check("test_policy_entered_during_import_waits_and_hooks")
-
-
-def test_incompatible_te_imported_after_policy_imports_then_policy_raises(
-    scenarios: Processes,
-) -> None:
-    scenarios.check("test_incompatible_te_imported_after_policy_imports_then_policy_raises")
-
-
-def test_class_contract_error_names_attribute_and_version(scenarios: Processes) -> None:
-    scenarios.check("test_class_contract_error_names_attribute_and_version")
-
-
-def test_package_fused_adam_against_fake_te(scenarios: Processes) -> None:
-    scenarios.check("test_package_fused_adam_against_fake_te")

@@ -1,7 +1,7 @@
 """Runs ``benchmarks/megatron_ckpt.py`` under torchrun and reads what it wrote.
 
 On GPUs the driver itself runs (``tests/test_gpu_megatron.py``); on the CPU
-``tests/megatron_cpu_run.py`` runs it around TE's stand-in
+``tests/support/megatron_cpu_run.py`` runs it around TE's stand-in
 (``tests/test_integrations_megatron.py``).
 ``TE_CKPT_MEGATRON_OUT=DIR`` keeps each run's JSON and log in ``DIR``.
 """
@@ -17,9 +17,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 GPU_SCRIPT = REPO_ROOT / "benchmarks" / "megatron_ckpt.py"
-CPU_SCRIPT = REPO_ROOT / "tests" / "megatron_cpu_run.py"
+CPU_SCRIPT = REPO_ROOT / "tests" / "support" / "megatron_cpu_run.py"
 
 
 def run(world: int, tmp_path: Path, *, cpu: bool, size: str, timeout: float) -> dict[str, Any]:

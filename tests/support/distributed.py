@@ -1,0 +1,129 @@
+"""Process groups, sharded models and global comparisons for the 2-rank tests.
+
+``spawn`` starts 2 ranks, ``init_gloo_mesh`` gives a CPU rank its gloo mesh with the stand-in
+hooked; the GPU tests set up their own ``cpu:gloo,cuda:nccl`` groups. The other helpers work on
+any mesh.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from te_ckpt_placement import te_hooks
+
+from .helpers import snapshot
+from .standin import StandInFusedAdam
+
+WORLD = 2
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def spawn(worker: Callable[..., None], *args: Any) -> None:
+    """Runs ``worker(rank, port, *args)`` on 2 ranks; a failing rank's exception is re-raised."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(worker, args=(free_port(), *args), nprocs=WORLD, join=True)
+
+
+def init_gloo_mesh(rank: int, port: int, timeout_s: float = 120) -> DeviceMesh:
+    """This rank's 2-rank gloo group and CPU mesh, with the stand-in hooked like TE's class."""
+    dist.init_process_group(
+        "gloo",
+        rank=rank,
+        world_size=WORLD,
+        init_method=f"tcp://127.0.0.1:{port}",
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    te_hooks.patch_class(StandInFusedAdam)
+    return init_device_mesh("cpu", (WORLD,))
+
+
+# --- models and training ------------------------------------------------------------------------
+def param_dtype(master: str) -> torch.dtype:
+    """BF16 params where TE keeps int16 master remainders (it needs them), FP32 otherwise."""
+    return torch.bfloat16 if master == "remainder" else torch.float32
+
+
+def fully_sharded(mesh: DeviceMesh, dtype: torch.dtype, seed: int) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    # Linear(3, 5): weight (5, 3) and bias (5,) shard unevenly (3 + 2 rows) on 2 ranks.
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 4)).to(dtype)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def ordered_params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in opt.param_groups for p in group["params"]]
+
+
+def train_global(opt: torch.optim.Optimizer, steps: int, seed: int) -> None:
+    """Like ``standin.train``, but each gradient is drawn as a global tensor and then sharded.
+
+    ``standin.train`` draws each rank's local gradient from one generator stream, so once an
+    uneven shard has advanced the streams differently, a Replicate() parameter gets different
+    gradients (and so different values and states) on each rank. DCP saves a replicated tensor
+    from one rank only, so the round trip needs parameters that really are replicated.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in ordered_params(opt):
+            assert isinstance(p, DTensor), "global gradients are for DTensor parameters"
+            g = torch.randn(p.shape, generator=gen) * math.exp(
+                float(torch.randn(1, generator=gen)) * 3
+            )
+            p.grad = distribute_tensor(
+                g.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None
+            )
+        opt.step()
+
+
+# --- comparisons --------------------------------------------------------------------------------
+def by_position(opt: torch.optim.Optimizer) -> dict[int, dict[str, torch.Tensor]]:
+    """The live states keyed by parameter position, so twin optimizers compare."""
+    snap = snapshot(opt)
+    return {i: snap[p] for i, p in enumerate(ordered_params(opt)) if p in snap}
+
+
+def hyperparams(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+
+
+def gather(state: DTensor) -> torch.Tensor:
+    """The global tensor (a collective); gloo and NCCL cannot all-gather int16, so remainders
+    travel widened."""
+    if state.dtype != torch.int16:
+        return state.full_tensor()
+    widened = DTensor.from_local(
+        state._local_tensor.to(torch.int32),
+        state.device_mesh,
+        state.placements,
+        shape=state.size(),
+        stride=state.stride(),
+    )
+    return widened.full_tensor().to(torch.int16)
+
+
+def assert_same_full(ours: dict[str, Any], ref: dict[str, Any], where: str) -> None:
+    """Two gathered (global) state dicts of bits and plain values are the same."""
+    assert ours.keys() == ref.keys(), f"{where}: keys {sorted(ours.keys() ^ ref.keys())}"
+    for key, value in ref.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(ours[key], value), f"{where}: {key} differs"
+        else:
+            assert ours[key] == value, f"{where}: {key}: {ours[key]!r} != {value!r}"

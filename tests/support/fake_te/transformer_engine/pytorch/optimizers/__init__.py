@@ -1,0 +1,1 @@
+from .fused_adam import FusedAdam  # noqa: F401

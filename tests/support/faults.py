@@ -1,0 +1,57 @@
+"""Fault injection and optimizer views, shared by the CPU fault tests and the GPU reliability tests.
+
+:data:`FAULTS` names where an export can fail part-way (a host copy, a host allocation, an
+interrupt); :func:`nth_call_raises` makes the k-th call of a function raise.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from te_ckpt_placement import engine
+
+from .helpers import assert_snapshot_equal, snapshot
+
+
+def nth_call_raises(k: int, exc: BaseException, fn: Any) -> Any:
+    calls = 0
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == k:
+            raise exc
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+FAULTS = {
+    "host_copy": (engine._Stager, "copy_async", RuntimeError("injected copy failure")),
+    "host_alloc": (engine, "empty_host", MemoryError("injected allocation failure")),
+    "interrupt": (engine._Stager, "copy_async", KeyboardInterrupt()),
+}
+
+
+def optimizer_view(opt: Any) -> tuple[Any, ...]:
+    """Live states, groups and scales, keyed by parameter position (twins compare)."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    by_param = snapshot(opt)
+    states = {i: by_param[p] for i, p in enumerate(params) if p in by_param}
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    scales = {
+        i: {n: s.clone() for n, s in opt._scales.get(p, {}).items()} for i, p in enumerate(params)
+    }
+    return states, groups, scales
+
+
+def assert_view_equal(a: tuple[Any, ...], b: tuple[Any, ...]) -> None:
+    assert_snapshot_equal(a[0], b[0])
+    assert a[1] == b[1], "param_groups changed"
+    assert a[2].keys() == b[2].keys()
+    for i in a[2]:
+        assert a[2][i].keys() == b[2][i].keys()
+        for n in a[2][i]:
+            assert torch.equal(a[2][i][n], b[2][i][n]), f"scale {i}.{n} changed"

@@ -1,0 +1,146 @@
+"""The test suite's layout holds: shared code in tests/support/, GPU tests named for it.
+
+- No test module imports from another test module: what two of them share lives in
+  ``tests/support/`` (a test module's imports run its module-level code, and its tests move
+  with it).
+- Every name that the tests, benchmarks and examples import from ``tests`` exists, imports inside
+  functions included: the GPU tests' imports run only on the GPU machine.
+- A test module with ``gpu``/``multigpu`` tests is named ``test_gpu_*.py``, and each of those has
+  some; tests/README.md lists every one of them under the GPU kit.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = ROOT / "tests"
+# The fake TE's relative imports resolve in the copy that the hook tests make, not here.
+FAKE_TE = TESTS / "support" / "fake_te" / "transformer_engine"
+SOURCES = sorted(
+    path
+    for path in [*TESTS.rglob("*.py"), *(ROOT / "benchmarks").glob("*.py")]
+    if FAKE_TE not in path.parents
+) + sorted((ROOT / "examples").glob("*.py"))
+TEST_MODULES = sorted(TESTS.rglob("test_*.py"))
+GPU_MARKERS = {"gpu", "multigpu"}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path) -> list[tuple[int, str, list[str]]]:
+    """(line, absolute module, imported names) of every import statement in ``path``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: list[tuple[int, str, list[str]]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                module = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                module = node.module or ""
+            found.append((node.lineno, module, [alias.name for alias in node.names]))
+    return found
+
+
+def is_test_module(module: str) -> bool:
+    parts = module.split(".")
+    return parts[0] == "tests" and parts[-1].startswith("test_")
+
+
+def test_the_checks_find_what_they_look_for() -> None:
+    assert len(TEST_MODULES) > 20 and (TESTS / "test_layout.py") in TEST_MODULES
+    found = imports(TESTS / "test_dcp.py")
+    assert any(module == "tests.support.dcp_checks" for _, module, _ in found), found
+    assert is_test_module("tests.test_dcp") and not is_test_module("tests.support.dcp_checks")
+    assert gpu_markers(TESTS / "test_gpu_fsdp.py") == {"multigpu"}
+    assert gpu_markers(TESTS / "test_gpu_examples.py") == GPU_MARKERS
+    assert not (TESTS / "support" / "test_layout.py").exists()
+
+
+def test_no_test_module_imports_another() -> None:
+    offending = [
+        f"{path.relative_to(ROOT)}:{line}: {module}" + (f" import {names}" if names else "")
+        for path in SOURCES
+        for line, module, names in imports(path)
+        if is_test_module(module) or any(is_test_module(f"{module}.{n}") for n in names)
+    ]
+    assert not offending, "move what test modules share into tests/support/:\n" + "\n".join(
+        offending
+    )
+
+
+def test_no_test_modules_in_support() -> None:
+    # pytest would collect them, and test modules import from support, not the other way round.
+    assert not sorted((TESTS / "support").rglob("test_*.py"))
+
+
+def test_everything_imported_from_tests_exists() -> None:
+    missing = []
+    for path in SOURCES:
+        for line, module, names in imports(path):
+            if module.split(".")[0] != "tests":
+                continue
+            where = f"{path.relative_to(ROOT)}:{line}"
+            try:
+                mod = importlib.import_module(module)
+            except ImportError as exc:
+                missing.append(f"{where}: {module} ({exc})")
+                continue
+            for name in names:
+                if hasattr(mod, name):
+                    continue
+                is_package = hasattr(mod, "__path__")
+                if not is_package or importlib.util.find_spec(f"{module}.{name}") is None:
+                    missing.append(f"{where}: {module}.{name}")
+    assert not missing, "\n".join(missing)
+
+
+def gpu_markers(path: Path) -> set[str]:
+    """The ``gpu``/``multigpu`` markers that ``path`` uses (``pytest.mark.<name>``)."""
+    used = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr in GPU_MARKERS
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "mark"
+        ):
+            used.add(node.attr)
+    return used
+
+
+@pytest.mark.parametrize("path", TEST_MODULES, ids=lambda p: p.name)
+def test_gpu_tests_are_named_for_it(path: Path) -> None:
+    named = path.name.startswith("test_gpu_")
+    marked = bool(gpu_markers(path))
+    assert named == marked, (
+        f"{path.name}: GPU tests (markers {sorted(GPU_MARKERS)}) live in test_gpu_*.py files, "
+        "and only there"
+    )
+
+
+def test_readme_lists_the_gpu_tests() -> None:
+    readme = (TESTS / "README.md").read_text()
+    gpu_section = readme.split("## GPU tests", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"`(test_\w+\.py)`", gpu_section))
+    expected = {p.name for p in TEST_MODULES if p.name.startswith("test_gpu_")}
+    assert listed == expected, f"tests/README.md's GPU list differs: {sorted(listed ^ expected)}"
+    named = set(re.findall(r"`([\w/]+\.(?:py|md|sh))`", readme))
+    places = (TESTS, TESTS / "support", ROOT)  # the README names files relative to these
+    stale = sorted(name for name in named if not any((p / name).exists() for p in places))
+    assert not stale, f"tests/README.md names files that do not exist: {stale}"
