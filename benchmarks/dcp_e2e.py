@@ -755,7 +755,7 @@ def smoke_machine() -> dict[str, Any]:
     return {
         "gpu": None,
         "torch": torch.__version__,
-        "transformer_engine": "none: the CPU stand-in (tests/standin.py)",
+        "transformer_engine": "none: the CPU stand-in (tests/support/standin.py)",
         "python": platform.python_version(),
         "host_cpus": os.cpu_count(),
         "cpu_smoke": True,

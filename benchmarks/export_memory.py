@@ -183,7 +183,7 @@ def build(
     """A model of bf16 params (as many of M elements as fit in N) and a stepped TE FusedAdam.
 
     ``master``: FP32 masters as int16 remainders (``"remainder"``) or as FP32 (``"fp32"``).
-    ``device="cpu"`` builds TE's CPU stand-in (tests/standin.py) instead, for a smoke run.
+    ``device="cpu"`` builds TE's CPU stand-in (tests/support/standin.py) instead, for a smoke run.
     """
     if master not in MASTERS:
         raise ValueError(f"unknown master {master!r}; valid: {', '.join(MASTERS)}")
@@ -741,7 +741,7 @@ def cases(sweep: str) -> list[Case]:
 
 def cpu_machine() -> dict[str, Any]:
     return {
-        "device": "cpu (TE's stand-in, tests/standin.py)",
+        "device": "cpu (TE's stand-in, tests/support/standin.py)",
         "torch": torch.__version__,
         "python": platform.python_version(),
         "host_cpus": os.cpu_count(),

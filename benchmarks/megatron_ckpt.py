@@ -26,7 +26,7 @@ above the start, ``peak_extra_host_bytes`` the peak RSS growth (sampled every mi
 are in ``per_rank``). Rank 0 writes ``--out``: the records, every check, the machine and the
 versions, rewritten after every case (``"complete": true`` once the run has ended). The exit
 status is 1 if any check failed. ``tests/test_gpu_megatron.py`` runs it on 1 and 2 GPUs;
-``tests/megatron_cpu_run.py`` runs it on the CPU.
+``tests/support/megatron_cpu_run.py`` runs it on the CPU.
 
 Usage (repository root, megatron-core 0.19.2 and TE importable):
     python -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/megatron_ckpt.py \
@@ -57,7 +57,7 @@ MI = 1 << 20
 # GPU bytes a placed save or load may allocate beyond Megatron's own buffers: the metadata
 # collectives of dist_checkpointing (pickled objects on the GPU), nothing that scales with N.
 SLACK_BYTES = 8 * MI
-# "cuda"; "cpu" only under tests/megatron_cpu_run.py (gloo, TE's stand-in, no GPU to measure).
+# "cuda"; "cpu" only under tests/support/megatron_cpu_run.py (gloo, TE's stand-in, no GPU).
 DEVICE = "cuda"
 
 
@@ -78,7 +78,7 @@ SIZES = {
     # The GPU run: 16.8 M parameters, so 8 B/element (135 MB on 1 GPU, 67 MB per rank on 2) stand
     # well above the slack, and every save, load and comparison is quick.
     "test": Size(4, 512, 8, 4096, 64, 4, 3, 3, 4_000_000),
-    # The CPU run of tests/megatron_cpu_run.py: 0.66 M parameters, several buckets.
+    # The CPU run of tests/support/megatron_cpu_run.py: 0.66 M parameters, several buckets.
     "smoke": Size(2, 128, 4, 1024, 32, 2, 2, 2, 60_000),
 }
 

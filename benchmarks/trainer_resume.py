@@ -52,7 +52,7 @@ Usage (from the repository root):
     python benchmarks/trainer_resume.py --device cpu --size tiny --out F  # the CPU stand-in
 
 ``--device cpu`` runs the same frameworks on the CPU (gloo) with the CPU stand-in of TE from
-tests/standin.py, and records no GPU numbers: it checks the harness and the bit equality
+tests/support/standin.py, and records no GPU numbers: it checks the harness and the bit equality
 (accelerate's FSDP2 included: the script lets accelerate use its FSDP plugin on CPU processes,
 which it otherwise ignores there). On CUDA, world size 2 needs 2 GPUs (``--world-sizes 1`` runs
 the single-device ones only). Exits 2 when the device's requirements are missing, 1 when a worker

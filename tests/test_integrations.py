@@ -573,7 +573,7 @@ def _two_group_adam(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 def _loaded(optimizer: torch.optim.Optimizer) -> list[tuple[str, Any]]:
     """Every state's bits and every hyperparameter's ``repr`` (types count: tuple vs list)."""
-    from .helpers import bits
+    from .support.helpers import bits
 
     sd = optimizer.state_dict()
     states = [

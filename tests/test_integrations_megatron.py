@@ -1,9 +1,9 @@
 """The Megatron-Core integration on the CPU: DistributedOptimizer checkpoints under the policy.
 
-Every check runs on ``tests/megatron_standin.py``'s optimizer, whose checkpoint methods are
+Every check runs on ``tests/support/megatron_standin.py``'s optimizer, whose checkpoint methods are
 megatron-core 0.19.2's own (copied byte for byte), and again on Megatron's real
 ``DistributedOptimizer`` class wherever megatron-core imports (Python >= 3.12; the GPU machine).
-TE is the CPU stand-in of ``tests/standin.py``, hooked like TE's class.
+TE is the CPU stand-in of ``tests/support/standin.py``, hooked like TE's class.
 ``TE_CKPT_REQUIRE_MEGATRON=1`` (the GPU session) turns a megatron-core that does not import into a
 failure instead of a skip.
 
@@ -688,7 +688,7 @@ def test_two_data_parallel_ranks_on_gloo() -> None:
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_megatrons_own_training_setup_end_to_end(world: int, tmp_path: Path) -> None:
-    """``benchmarks/megatron_ckpt.py`` on the CPU (``tests/megatron_cpu_run.py``), as on GPUs.
+    """``benchmarks/megatron_ckpt.py`` on the CPU (``tests/support/megatron_cpu_run.py``).
 
     Megatron's own BF16 GPTModel (``Float16Module``), DDP, ``get_megatron_optimizer`` and
     ``dist_checkpointing`` on gloo, TE's stand-in as the FusedAdam: the forward and backward,

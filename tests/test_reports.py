@@ -24,8 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import te_ckpt_placement
 from te_ckpt_placement import engine, export_placement, last_report, reports, te_load
 
-from .helpers import aliases_live, exported_tensors, live_storages
-from .standin import StandInFusedAdam, make_optimizer, train
+from .support.helpers import aliases_live, exported_tensors, live_storages
+from .support.standin import StandInFusedAdam, make_optimizer, train
 
 ROOT = Path(__file__).resolve().parents[1]
 FP16, FP8 = torch.float16, torch.uint8
@@ -356,7 +356,7 @@ def test_silent_by_default() -> None:
     code = (
         "import logging, torch\n"
         "from te_ckpt_placement import export_placement, last_report, te_hooks\n"
-        "from tests.standin import StandInFusedAdam, make_optimizer, train\n"
+        "from tests.support.standin import StandInFusedAdam, make_optimizer, train\n"
         "te_hooks.patch_class(StandInFusedAdam)\n"
         "opt = make_optimizer([torch.nn.Parameter(torch.randn(8))], moments=torch.bfloat16)\n"
         "train(opt)\n"
@@ -499,59 +499,3 @@ def test_load_failing_part_way_reports_what_was_written(monkeypatch: pytest.Monk
     assert report.states == 3
     # Three states of parameter 0 (37 x 5): two BF16 moments and an FP32 master.
     assert report.host_to_device_bytes == 185 * (2 + 2 + 4)
-
-
-# --- on a GPU, against the CUDA allocator ---------------------------------------------------------
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    "name",
-    [
-        "bf16/bf16/remainder",
-        "bf16/fp32-master",
-        "bf16/fp16/fp32-master",
-        "bf16/fp8/remainder",
-        "fp32-params/fp16+fp8",
-    ],
-)
-def test_gpu_reports_match_the_allocator(name: str) -> None:
-    from te_ckpt_placement import install
-
-    from .helpers import peak_extra
-    from .te_cases import MODES, make_params, make_te_optimizer
-    from .te_cases import train as te_train
-
-    install()
-    mode = next(m for m in MODES if m.name == name)
-    opt = make_te_optimizer(mode, make_params(mode))
-    te_train(opt)
-
-    def te_export_() -> Any:
-        with export_placement(None):
-            return opt.state_dict()
-
-    def te_load_() -> None:
-        with export_placement(None):
-            opt.load_state_dict(copy.deepcopy(checkpoint))
-
-    te_sd, te_export = peak_extra(te_export_)
-    del te_sd
-    with export_placement("cpu"):
-        checkpoint, ours_export = peak_extra(opt.state_dict)
-    report = last_report()
-    assert report is not None and report.op == "export" and not report.failed
-    assert report.gpu_bytes == ours_export == 0
-    # TE's FP32 copies, each in whole 512-byte blocks.
-    assert 0 <= te_export - report.te_gpu_bytes <= 512 * report.states
-    _, te_load_peak = peak_extra(te_load_)
-    with export_placement("cpu"):
-        _, ours_load = peak_extra(lambda: opt.load_state_dict(checkpoint))
-    report = last_report()
-    assert report is not None and report.op == "load" and not report.failed
-    # Our FP32 copy of the largest FP16/FP8 state, in 512-byte blocks, and TE's one-element
-    # scaling temporaries.
-    assert report.gpu_bytes <= ours_load <= -(-report.gpu_bytes // 512) * 512 + 16 * 512
-    if not mode.scaled:
-        # TE's peak is torch's bulk cast (each cast in whole 512-byte blocks).
-        assert 0 <= te_load_peak - report.te_gpu_bytes <= 512 * report.states
