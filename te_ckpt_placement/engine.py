@@ -504,6 +504,23 @@ def _convert_fn(source: StateSource) -> tuple[torch.dtype, Convert]:
     raise ValueError(f"unknown state kind {source.kind!r}")
 
 
+def storage_idle(storage: Any, control: object) -> bool:
+    """True when nothing outside its pool uses a kept host storage, so it may be written again.
+
+    ``control`` is an object the pool references exactly as it references ``storage`` (once,
+    from the same owner): their ``sys.getrefcount`` then differ only by outside references to
+    the storage object (``t.untyped_storage()`` held by a caller). The storage's own use count
+    covers tensors and views; shared memory may be mapped by another process.
+    """
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    return (
+        use_count is not None
+        and use_count(storage._cdata) == 1
+        and sys.getrefcount(storage) == sys.getrefcount(control)
+        and not storage.is_shared()
+    )
+
+
 class _Kept:
     """One kept output buffer: its storage, and the export that last took it."""
 
@@ -540,13 +557,7 @@ class BufferCache:
 
     @staticmethod
     def _idle(kept: _Kept) -> bool:
-        use_count = getattr(torch._C, "_storage_Use_Count", None)
-        return (
-            use_count is not None
-            and use_count(kept.storage._cdata) == 1
-            and sys.getrefcount(kept.storage) == sys.getrefcount(kept.control)
-            and not kept.storage.is_shared()
-        )
+        return storage_idle(kept.storage, kept.control)
 
     def take(self, shape: torch.Size, dtype: torch.dtype, *, export: object = None) -> torch.Tensor:
         """An idle kept buffer of this shape and dtype, else a fresh one that is kept from now on.

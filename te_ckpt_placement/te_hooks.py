@@ -32,7 +32,7 @@ from .te_contract import (
     raise_contract,
     stream_state_dict,
 )
-from .te_load import stream_load_state_dict
+from .te_load import note_loaded, stream_load_state_dict
 
 __all__ = ["install", "is_installed", "uninstall"]
 
@@ -72,7 +72,9 @@ def placed_load_state_dict(
     """Runs ``original`` (TE's own load) or the streaming load, as the policy says."""
     placement = policy.resolve_placement(default)
     if placement is None or not placement.streams:
-        return original(optimizer, state_dict)
+        result = original(optimizer, state_dict)
+        note_loaded(optimizer)
+        return result
     return stream_load_state_dict(optimizer, state_dict, owner, rollback=placement.rollback)
 
 

@@ -20,6 +20,7 @@ state, and uses the storage rule of :mod:`te_ckpt_placement.te_contract`.
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -42,8 +43,10 @@ from .te_contract import (
 __all__ = [
     "PartialLoadError",
     "initialize_states",
+    "initialized_for_load",
     "load_state",
     "load_states",
+    "note_loaded",
     "plan_load",
     "stream_load_state_dict",
 ]
@@ -268,6 +271,9 @@ class _Rollback:
 
     def __init__(self, optimizer: Any) -> None:
         self.state = optimizer.state
+        # Each parameter's own dict and what it held: load_states writes into these dicts in
+        # place (replacing or adding states), where torch's part of a load swaps the mapping.
+        self.entries = {p: (d, dict(d)) for p, d in optimizer.state.items()}
         self.param_groups = optimizer.param_groups
         self.scales = {p: dict(d) for p, d in optimizer._scales.items()}
         self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -285,6 +291,12 @@ class _Rollback:
         with torch.no_grad():
             for tensor, host in reversed(self.saved):
                 tensor.copy_(host)
+        for param in [p for p in self.state if p not in self.entries]:
+            del self.state[param]
+        for param, (entry, held) in self.entries.items():
+            entry.clear()
+            entry.update(held)
+            self.state[param] = entry
         optimizer.state = self.state
         optimizer.param_groups = self.param_groups
         optimizer._scales.clear()
@@ -613,6 +625,7 @@ def stream_load_state_dict(
             optimizer.state[param] = {name: state[name] for name in entries}
     for hook in post_hooks.values():
         hook(optimizer)
+    note_loaded(optimizer)
 
 
 def load_states(
@@ -664,6 +677,7 @@ def _load_states(
     )
     undo = _Rollback(optimizer) if rollback else None
     _write_all(optimizer, lambda: jobs, undo)
+    note_loaded(optimizer)
 
 
 def load_state(optimizer: Any, param: torch.Tensor, name: str, value: Any) -> None:
@@ -696,6 +710,47 @@ def _count_te_cost(
             for _, param, entries in plan
         ]
         reports.te_cost(reports.te_load_device_bytes(parts, bulk_cast=bulk_cast))
+
+
+# How many loads each optimizer has completed (streaming or TE's own, through the hooks), so that
+# initial states built for a load that then loads nothing can be taken back.
+_loads: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def note_loaded(optimizer: Any) -> None:
+    """Counts a completed load of ``optimizer`` (see :func:`initialized_for_load`)."""
+    _loads[optimizer] = _loads.get(optimizer, 0) + 1
+
+
+@contextmanager
+def initialized_for_load(optimizer: Any) -> Iterator[bool]:
+    """:func:`initialize_states` for a load that may or may not happen inside the block.
+
+    Frameworks call their resume method also when there is nothing to resume from (a fresh run,
+    ``strict=False`` without optimizer state). Initial states built for such a call would change
+    training: TE's first step would count as its second. So unless a load of this optimizer
+    completes inside the block, the states, scales and step counts it built are taken back on
+    exit, and the optimizer is as fresh as before. Yields what ``initialize_states`` returned.
+    """
+    steps = [group.get("step", _NO_STEP) for group in optimizer.param_groups]
+    loads = _loads.get(optimizer, 0)
+    created = initialize_states(optimizer)
+    try:
+        yield created
+    finally:
+        if created and _loads.get(optimizer, 0) == loads:
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    optimizer.state.pop(param, None)
+                    optimizer._scales.pop(param, None)  # TE L214: made with the states
+            for group, step in zip(optimizer.param_groups, steps, strict=True):
+                if step is _NO_STEP:
+                    group.pop("step", None)
+                else:
+                    group["step"] = step
+
+
+_NO_STEP = object()
 
 
 def initialize_states(optimizer: Any) -> bool:

@@ -176,10 +176,10 @@ class Uploader:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        stream = self._stager.stream if self._stager is not None else None
-        self._exit.close()  # synchronizes the copy stream, then returns the stager
-        if stream is not None and exc[0] is None:
-            torch.cuda.current_stream(self.device).wait_stream(stream)
+        # Synchronizes the copy stream (every copy has landed before anything launched after
+        # this), then returns the stager; a stream wait after that would only tie the compute
+        # stream to the stager's next borrower.
+        self._exit.close()
 
     @property
     def chunk_bytes(self) -> int:

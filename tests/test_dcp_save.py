@@ -472,3 +472,23 @@ def test_dcp_save_on_two_ranks(tmp_path: Path) -> None:
     mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     for ckpt in ("streaming0_2_1", "snapshot1_2", "reshard_async", "failed", "stock_0"):
         assert (tmp_path / ckpt / ".metadata").is_file(), f"{ckpt}: no checkpoint"
+
+
+def test_snapshot_buffers_are_not_reused_while_their_storage_is_held() -> None:
+    # As the export's BufferCache: a storage object held outside the pool keeps its buffer.
+    from te_ckpt_placement.dcp.host_buffers import HostBuffers
+
+    pool = HostBuffers()
+    first = pool.take("k", torch.Size([4]), torch.float32, pinned=False)
+    first.fill_(1.0)
+    held = first.untyped_storage()
+    del first
+    pool.end_round()
+    second = pool.take("k", torch.Size([4]), torch.float32, pinned=False)
+    second.fill_(2.0)
+    assert torch.empty(0).set_(held, 0, (4,)).tolist() == [1.0] * 4
+    del second, held
+    pool.end_round()
+    ptr = pool.take("k", torch.Size([4]), torch.float32, pinned=False).data_ptr()
+    pool.end_round()
+    assert pool.take("k", torch.Size([4]), torch.float32, pinned=False).data_ptr() == ptr

@@ -305,6 +305,7 @@ def test_recipe_load_initializes_fresh_te_states_first() -> None:
 
         def load_checkpoint(self, restore_from: str | None = None) -> None:
             self.seen["states_at_load"] = len(self.optimizer[0].state)
+            self.seen["names"] = set(self.optimizer[0].state.get(self.model.weight, {}))
 
     plain = WithOptimizer()
     plain.load_checkpoint()
@@ -312,8 +313,9 @@ def test_recipe_load_initializes_fresh_te_states_first() -> None:
     placed = automodel.placement_recipe(WithOptimizer)()
     placed.load_checkpoint()
     assert placed.seen["states_at_load"] == 2
-    states = placed.optimizer[0].state[placed.model.weight]
-    assert set(states) == {"exp_avg", "exp_avg_sq", "master_param"}
+    assert placed.seen["names"] == {"exp_avg", "exp_avg_sq", "master_param"}
+    # This fake loads nothing, as a fresh run's load_checkpoint: the states are taken back.
+    assert not placed.optimizer[0].state
     off = automodel.placement_recipe(WithOptimizer, None)()  # TE's own behaviour
     off.load_checkpoint()
     assert off.seen["states_at_load"] == 0
@@ -509,7 +511,7 @@ def test_resume_initialize_equals_te_initialize_state(
 ) -> None:
     # The host-built initial states (BF16/FP32 storage) are TE's initialize_state bit for bit;
     # other storage goes through te_load.initialize_states itself.
-    from te_ckpt_placement import export_placement
+    from te_ckpt_placement import export_placement, te_load
     from te_ckpt_placement.integrations import _resume
 
     from .support.helpers import assert_snapshot_equal, snapshot
@@ -531,21 +533,64 @@ def test_resume_initialize_equals_te_initialize_state(
             raise AssertionError("TE's initialize_state used for BF16/FP32 storage")
 
         monkeypatch.setattr(ours, "initialize_state", on_gpu)
-    _resume.initialize([ours])
-    assert not ours.state  # outside a streaming policy: nothing
-    with export_placement("cpu"):
-        _resume.initialize([ours])
+    with _resume.initialized([ours]):
+        assert not ours.state  # outside a streaming policy: nothing
+    with export_placement("cpu"), _resume.initialized([ours]):
+        snapped = snapshot(ours)
+        te_load.note_loaded(ours)  # as a load in the block does: the states stay
     assert_snapshot_equal(
-        {i: s for i, s in enumerate(snapshot(ours).values())},
+        {i: s for i, s in enumerate(snapped.values())},
         {i: s for i, s in enumerate(snapshot(reference).values())},
     )
     for p_ours, p_ref in zip(
         ours.param_groups[0]["params"], reference.param_groups[0]["params"], strict=True
     ):
         assert ours._scales.get(p_ours, {}).keys() == reference._scales.get(p_ref, {}).keys()
+    with export_placement("cpu"), _resume.initialized([ours]):
+        pass  # has state now: left alone
+    assert_snapshot_equal(snapped, snapshot(ours))
+    assert ours.param_groups[0].get("step") == 1
+
+
+@pytest.mark.usefixtures("hooked_standin")  # TE's class is hooked once a policy is entered
+@pytest.mark.parametrize("framework", ["automodel", "lightning"])
+def test_a_resume_that_loads_nothing_leaves_the_optimizer_fresh(framework: str) -> None:
+    # Frameworks call their resume method on a fresh run too (no checkpoint found, or a Fabric
+    # load without optimizer state): states built for it would make TE's first step its second.
+    from te_ckpt_placement import export_placement
+    from te_ckpt_placement.integrations import _resume, automodel
+
+    from .support.standin import make_optimizer, train
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = make_optimizer(model.parameters())
+    if framework == "automodel":
+
+        class Recipe:
+            def __init__(self) -> None:
+                self.model, self.optimizer = model, [opt]
+
+            def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+                pass
+
+            def load_checkpoint(self, restore_from: Any = None) -> None:
+                return  # BaseRecipe.load_checkpoint with no checkpoint to restore
+
+        automodel.placement_recipe(Recipe)().load_checkpoint()
+    else:
+        with export_placement("cpu"), _resume.initialized([opt]):
+            assert opt.state  # built for the load the block was expected to run
+    assert not opt.state and not opt._scales
+    assert all("step" not in group for group in opt.param_groups)
+    # A load in the block keeps them (and the checkpoint's values).
+    source = make_optimizer(torch.nn.Linear(4, 3).parameters())
+    train(source)
     with export_placement("cpu"):
-        _resume.initialize([ours])  # has state now: left alone
-    assert ours.param_groups[0].get("step") in (None, 1)
+        checkpoint = source.state_dict()
+    with export_placement("cpu"), _resume.initialized([opt]):
+        opt.load_state_dict(checkpoint)
+    assert opt.state
 
 
 def test_place_methods_takes_bare_names_as_optional_methods() -> None:

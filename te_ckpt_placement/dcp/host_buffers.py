@@ -15,10 +15,12 @@ import contextlib
 import mmap
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from ..engine import storage_idle
 
 __all__ = ["HostBuffers"]
 
@@ -28,17 +30,14 @@ _HUGE_ADVICE_BYTES = 4 << 20
 _CUDA_HOST_REGISTER_PORTABLE = 1  # as torch.cuda._pin_memory_utils registers
 
 
-def _idle(storage: Any) -> bool:
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    return use_count is not None and use_count(storage._cdata) == 1
-
-
 @dataclass(eq=False)
 class _Buffer:
     storage: Any  # torch.UntypedStorage
     nbytes: int
     pinned: bool
     registered: int | None = None  # the address registered with cudaHostRegister
+    # Referenced exactly as `storage` is, for engine.storage_idle's count of outside references.
+    control: object = field(default_factory=object)
 
     def view(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(0, dtype=dtype).set_(self.storage, 0, shape)  # type: ignore[call-overload]
@@ -110,7 +109,7 @@ class HostBuffers:
                     id(buffer) not in self._taken
                     and buffer.nbytes == nbytes
                     and buffer.pinned == pinned
-                    and _idle(buffer.storage)
+                    and storage_idle(buffer.storage, buffer.control)
                 ):
                     self._taken.add(id(buffer))
                     return buffer.view(torch.Size(shape), dtype)

@@ -560,6 +560,14 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
             if target.chunk is None or item.dest_index.offset != target.chunk.offsets:
                 problems.append(f"{target.dcp_key}: a read for another chunk")
             covered[target.dcp_key] += math.prod(item.lengths)
+            if (
+                target.live is not None
+                and not self.transform_tensor(item, target.live).is_contiguous()
+            ):
+                # A strided region (a shard along a later dimension): torch's copy into it would
+                # stage on the GPU and round with the kernel of the piece's layout, not the
+                # whole state's. The state is assembled on the host and written whole instead.
+                target.live = None
         for key, target in self._targets.items():
             if covered[key] != target.numel:
                 problems.append(

@@ -122,16 +122,17 @@ def _load_checkpoint(strategy: Any, original: Any, *args: Any, **kwargs: Any) ->
     optimizers get their states directly (no fake step)."""
     if not _resume.streaming():
         return original(*args, **kwargs)
+    optimizers: list[Any] = []
     if _uses_state_dict_api(strategy):
         optimizers = _resume.optimizers_in(getattr(strategy, "optimizers", None) or [])
         optimizers += _resume.optimizers_in(_fabric_state(original, args, kwargs))
-        _resume.initialize(optimizers)
-    io = _stock_torch_io(strategy)
-    if io is None:
-        return original(*args, **kwargs)
-    device = getattr(strategy, "root_device", None)
-    with _reading_to_host(io, mmap=getattr(device, "type", "cpu") != "cpu"):
-        return original(*args, **kwargs)
+    with _resume.initialized(optimizers):  # taken back if nothing is loaded into them
+        io = _stock_torch_io(strategy)
+        if io is None:
+            return original(*args, **kwargs)
+        device = getattr(strategy, "root_device", None)
+        with _reading_to_host(io, mmap=getattr(device, "type", "cpu") != "cpu"):
+            return original(*args, **kwargs)
 
 
 _OPTIMIZER_STATE = Method(

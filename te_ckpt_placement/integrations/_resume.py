@@ -31,7 +31,7 @@ from ..policy import current_placement
 __all__ = [
     "host_group",
     "host_load",
-    "initialize",
+    "initialized",
     "load_full",
     "load_sharded",
     "optimizers_in",
@@ -141,27 +141,32 @@ def optimizers_in(value: Any) -> list[Any]:
     return []
 
 
-def initialize(optimizers: Iterable[Any]) -> None:
-    """Gives each fresh TE FusedAdam in ``optimizers`` its initial states, inside a streaming
-    policy only.
+@contextlib.contextmanager
+def initialized(optimizers: Iterable[Any]) -> Iterator[None]:
+    """Gives each fresh TE FusedAdam in ``optimizers`` its initial states for the load in the
+    block, inside a streaming policy only.
 
     torch then skips its fake step. The states are TE's own initial values (zero moments,
     masters copied from the parameters, the group's step counted), made by
-    :func:`te_ckpt_placement.te_load.initialize_states`. Optimizers that are not TE FusedAdam,
-    or that already have state or gradients, are left alone (torch's own behaviour applies).
+    :func:`te_ckpt_placement.te_load.initialized_for_load`, which takes them back if the block
+    loads nothing into that optimizer (a fresh run: frameworks call their resume method then
+    too), so training starts as it would without the integration. Optimizers that are not TE
+    FusedAdam, or that already have state or gradients, are left alone (torch's own behaviour
+    applies).
     """
-    if not streaming():
-        return
-    from ..te_contract import ContractError, check_contract
-    from ..te_load import initialize_states
+    with contextlib.ExitStack() as stack:
+        if streaming():
+            from ..te_contract import ContractError, check_contract
+            from ..te_load import initialized_for_load
 
-    for optimizer in optimizers:
-        inner = _unwrap(optimizer)
-        try:
-            check_contract(inner)
-        except ContractError:
-            continue
-        initialize_states(inner)
+            for optimizer in optimizers:
+                inner = _unwrap(optimizer)
+                try:
+                    check_contract(inner)
+                except ContractError:
+                    continue
+                stack.enter_context(initialized_for_load(inner))
+        yield
 
 
 @contextlib.contextmanager

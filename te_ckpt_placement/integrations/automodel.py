@@ -12,8 +12,9 @@ Two YAML routes, usable together:
 - the recipe, ``recipe: te_ckpt_placement.integrations.automodel.PlacementFinetuneRecipe``:
   ``save_checkpoint`` and ``load_checkpoint`` run inside ``export_placement``, which covers the
   ``Checkpointer.save_optimizer``/``load_optimizer`` calls they make (the load builds its DCP
-  template with ``optimizer.state_dict()``) for a plain TE ``_target_`` optimizer too. Before a
-  load, fresh TE optimizers get their states directly, so torch skips its fake step.
+  template with ``optimizer.state_dict()``) for a plain TE ``_target_`` optimizer too. For the
+  load, fresh TE optimizers get their states directly, so torch skips its fake step; when
+  ``load_checkpoint`` loads nothing (a fresh run), those states are taken back.
 
 Launchers. Automodel's CLI resolves a dotted ``recipe:`` with ``importlib.import_module`` +
 ``getattr`` when it runs the recipe in-process (one device, or under ``torchrun -m
@@ -77,9 +78,10 @@ def _recipe_optimizers(recipe: Any) -> list[Any]:
 
 
 def _load_checkpoint(recipe: Any, original: Any, *args: Any, **kwargs: Any) -> Any:
-    """``BaseRecipe.load_checkpoint`` with fresh TE optimizers' states built first."""
-    _resume.initialize(_recipe_optimizers(recipe))
-    return original(*args, **kwargs)
+    """``BaseRecipe.load_checkpoint`` with fresh TE optimizers' states built for its load (taken
+    back when it loads nothing, as on a fresh run)."""
+    with _resume.initialized(_recipe_optimizers(recipe)):
+        return original(*args, **kwargs)
 
 
 METHODS = (
@@ -99,9 +101,9 @@ class PlacementRecipeMixin:
     ``class MyRecipe(PlacementRecipeMixin, TrainFinetuneRecipeForNextTokenPrediction): ...``.
     The whole save is in scope (model, optimizer, scheduler); the policy only changes TE
     ``FusedAdam`` exports and imports, which Automodel builds synchronously before any async
-    DCP staging, so the training steps never run under it. ``load_checkpoint`` first gives
-    fresh TE optimizers their initial states, so torch's ``get_optimizer_state_dict`` skips its
-    fake step on the GPU.
+    DCP staging, so the training steps never run under it. ``load_checkpoint`` gives fresh TE
+    optimizers their initial states for its load, so torch's ``get_optimizer_state_dict`` skips
+    its fake step on the GPU, and takes them back when it loads nothing (a fresh run).
 
     Attributes:
         optimizer_export_placement: ``"cpu"`` by default, or a ``Placement``; ``None`` runs

@@ -131,8 +131,7 @@ def _resume_fsdp2(trainer: Any, plugin: Any, checkpoint: str, original: Any) -> 
         broadcast_from_rank0=getattr(config, "rank0_only", False),
     )
     model, optimizer = trainer.model, trainer.optimizer
-    _resume.initialize([optimizer])
-    with _resume.host_group() as group:
+    with _resume.initialized([optimizer]), _resume.host_group() as group:
         if full:
             path = os.path.join(checkpoint, FSDP_OPTIMIZER_FILE)
             if not _resume.load_full(model, optimizer, path, options, group):
