@@ -17,6 +17,7 @@ import torch
 
 from te_ckpt_placement import engine, export_placement, install, te_load
 
+from .support.faults import nth_call_raises
 from .support.helpers import bits, peak_extra
 from .support.load_cases import raw_bits, vary_checkpoint
 from .support.te_cases import MODES, Mode, make_params, make_te_optimizer, train
@@ -209,19 +210,6 @@ def test_te_own_aliasing_export_loads_like_te(mode: Mode, how: str) -> None:
 
 
 FAULT_POINTS = {"state": (te_load, "_write_one"), "chunk": (engine._Stager, "copy_async")}
-
-
-def nth_call_raises(k: int, exc: BaseException, fn: Any) -> Any:
-    calls = 0
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        nonlocal calls
-        calls += 1
-        if calls == k:
-            raise exc
-        return fn(*args, **kwargs)
-
-    return wrapper
 
 
 @pytest.mark.parametrize("rollback", [True, False])

@@ -32,6 +32,19 @@ from .helpers import assert_bit_equal, assert_snapshot_equal, bits, blank, local
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
+def set_global_grads(params: list[torch.Tensor], gen: torch.Generator) -> None:
+    """Gives each parameter a gradient drawn from ``gen`` in parameter order, at the global shape
+    (scaled over several orders of magnitude), sharded like the parameter: every world size and
+    rank sees the same global gradients."""
+    for p in params:
+        g = torch.randn(p.shape, generator=gen) * math.exp(float(torch.randn(1, generator=gen)) * 3)
+        g = g.to(p.dtype)
+        if isinstance(p, DTensor):
+            p.grad = distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None)
+        else:
+            p.grad = g.to(p.device)
+
+
 class Run:
     """A model (``fully_shard`` on ``mesh``, or plain without one) with its optimizer.
 
@@ -73,16 +86,7 @@ class Run:
         """Global gradients drawn in parameter order, so every world size sees the same ones."""
         gen = torch.Generator().manual_seed(seed)
         for _ in range(steps):
-            for p in self.params():
-                g = torch.randn(p.shape, generator=gen) * math.exp(
-                    float(torch.randn(1, generator=gen)) * 3
-                )
-                if isinstance(p, DTensor):
-                    p.grad = distribute_tensor(
-                        g.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None
-                    )
-                else:
-                    p.grad = g.to(device=p.device, dtype=p.dtype)
+            set_global_grads(self.params(), gen)
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
 

@@ -9,7 +9,6 @@ save point, so "the same as TE" is what passes, not "the same as our other path"
 from __future__ import annotations
 
 import itertools
-import math
 import os
 import threading
 import time
@@ -30,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from te_ckpt_placement import engine, export_placement
 from te_ckpt_placement.dcp import (
@@ -45,7 +44,7 @@ from te_ckpt_placement.dcp import lazy_state as lazy_state_module
 
 from . import distributed
 from .backends import Backend
-from .dcp_runs import wait
+from .dcp_runs import set_global_grads, wait
 from .helpers import assert_same_export, bits, blank, local, snapshot
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -105,15 +104,7 @@ class Case:
         """The same global gradients on every rank, sharded like the parameters."""
         gen = torch.Generator().manual_seed(seed)
         for _ in range(steps):
-            for p in self.params():
-                g = torch.randn(p.shape, generator=gen) * math.exp(
-                    float(torch.randn(1, generator=gen)) * 3
-                )
-                g = g.to(p.dtype)
-                if isinstance(p, DTensor):
-                    p.grad = distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None)
-                else:
-                    p.grad = g.to(p.device)
+            set_global_grads(self.params(), gen)
             self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         if self.backend.device == "cuda":
