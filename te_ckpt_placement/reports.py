@@ -182,7 +182,11 @@ class _Recorder:
                 # engine.materialize: data.to("cpu", copy=True).contiguous(). A dense layout is
                 # kept by the first copy, so the second makes another; a layout with gaps is
                 # made contiguous by the first, through a contiguous temporary on the device.
-                dense = _dense(data)
+                # The load pipeline's rule for a layout without gaps (imported here: the upload
+                # module reports through this one).
+                from .upload import memory_order
+
+                dense = memory_order(data) is not None
                 temporary = raw * (2 if dense else 1)
                 if not dense and data.device.type != "cpu":
                     self.device_temporary(raw)
@@ -219,12 +223,6 @@ class _Recorder:
             te_gpu_bytes=self.te_gpu,
             seconds=time.perf_counter() - self.start,
         )
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """Whether ``t`` covers its memory without gaps or overlaps, in some dimension order."""
-    order = sorted(range(t.dim()), key=lambda d: (t.stride(d), t.size(d)), reverse=True)
-    return t.permute(order).is_contiguous()
 
 
 _active: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar(
