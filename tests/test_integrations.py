@@ -630,7 +630,15 @@ def _loaded(optimizer: torch.optim.Optimizer) -> list[tuple[str, Any]]:
     return [("states", s) for s in states] + [("group", g) for g in groups]
 
 
-def test_load_full_equals_torchs_full_state_load(tmp_path: Path) -> None:
+def _no_barrier(*args: Any, **kwargs: Any) -> None:
+    raise AssertionError(
+        "dist.barrier stages a byte on the group's bound device (a CUDA block on a GPU run)"
+    )
+
+
+def test_load_full_equals_torchs_full_state_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # accelerate's FULL_STATE_DICT resume is torch's set_optimizer_state_dict(full_state_dict,
     # broadcast_from_rank0); _resume.load_full must give the optimizer exactly what that gives,
     # hyperparameters and their types included (torch hands back a group's tuples as lists),
@@ -648,6 +656,7 @@ def test_load_full_equals_torchs_full_state_load(tmp_path: Path) -> None:
     if dist.is_initialized():
         pytest.skip("needs its own one-rank process group")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    monkeypatch.setattr(dist, "barrier", _no_barrier)  # the resume's collectives stay on the host
     try:
         full_options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         model, optimizer = _two_group_adam(seed=0)
@@ -681,6 +690,47 @@ def test_load_full_equals_torchs_full_state_load(tmp_path: Path) -> None:
             with pytest.raises(ValueError, match=r"'exp_avg' of 1\.weight has shape \(3, 3\)"):
                 _resume.load_full(model, ours, str(path), full_options, group)
         assert _loaded(ours) == before
+    finally:
+        dist.destroy_process_group()
+
+
+def test_load_sharded_equals_accelerates_sharded_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # accelerate's SHARDED_STATE_DICT resume (load_fsdp_optimizer): a template, dcp.load, then
+    # set_optimizer_state_dict. _resume.load_sharded runs the same calls with its collectives on
+    # the host group, and no dist.barrier (which allocates on the group's bound device).
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    from te_ckpt_placement.integrations import _resume
+
+    if dist.is_initialized():
+        pytest.skip("needs its own one-rank process group")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    monkeypatch.setattr(dist, "barrier", _no_barrier)
+    try:
+        options = StateDictOptions()
+        model, optimizer = _two_group_adam(seed=0)
+        for _ in range(2):
+            model(torch.randn(2, 5)).sum().backward()
+            optimizer.step()
+        path = str(tmp_path / "optimizer_0")
+        dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=path)
+
+        model, reference = _two_group_adam(seed=1)
+        template = {"optimizer": get_optimizer_state_dict(model, reference, options=options)}
+        dcp.load(template, checkpoint_id=path)
+        set_optimizer_state_dict(model, reference, template["optimizer"], options=options)
+        model, ours = _two_group_adam(seed=1)
+        with _resume.host_group() as group:
+            _resume.load_sharded(model, ours, path, options, group)
+        assert _loaded(ours) == _loaded(reference)
     finally:
         dist.destroy_process_group()
 

@@ -185,6 +185,18 @@ def host_group() -> Iterator[Any]:
         dist.destroy_process_group(group)
 
 
+def host_barrier(group: Any) -> None:
+    """A barrier on the gloo ``group`` that touches no GPU memory.
+
+    ``dist.barrier`` gives the backend a one-byte tensor on the group's bound device (the default
+    group's ``device_id``, which a gloo group created from it inherits), so even on gloo it
+    allocates a 512-byte CUDA block; an all-reduce of a host tensor synchronizes the same ranks.
+    """
+    import torch.distributed as dist
+
+    dist.all_reduce(torch.zeros(1), group=group)
+
+
 def load_sharded(model: Any, optimizer: Any, checkpoint_id: str, options: Any, group: Any) -> None:
     """accelerate's FSDP2 ``SHARDED_STATE_DICT`` optimizer load with its collectives on ``group``.
 
@@ -192,7 +204,6 @@ def load_sharded(model: Any, optimizer: Any, checkpoint_id: str, options: Any, g
     ``get_optimizer_state_dict``, ``dcp.load`` into it, ``set_optimizer_state_dict``), with
     DCP's planning collectives and the barriers on the host group.
     """
-    import torch.distributed as dist
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint import load as dcp_load
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -201,7 +212,7 @@ def load_sharded(model: Any, optimizer: Any, checkpoint_id: str, options: Any, g
         set_optimizer_state_dict,
     )
 
-    dist.barrier(group=group)
+    host_barrier(group)
     state = {"optimizer": get_optimizer_state_dict(model, optimizer, options=options)}
     dcp_load(
         state,
@@ -211,7 +222,7 @@ def load_sharded(model: Any, optimizer: Any, checkpoint_id: str, options: Any, g
     )
     set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
     del state
-    dist.barrier(group=group)
+    host_barrier(group)
 
 
 def load_full(model: Any, optimizer: Any, path: str, options: Any, group: Any) -> bool:
@@ -246,7 +257,7 @@ def load_full(model: Any, optimizer: Any, path: str, options: Any, group: Any) -
     del template, full
     set_optimizer_state_dict(model, optimizer, merged, options=local)
     del merged
-    dist.barrier(group=group)
+    host_barrier(group)
     return True
 
 
