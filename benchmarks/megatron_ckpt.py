@@ -560,7 +560,8 @@ def allocator_history(enabled: bool = True) -> Iterator[dict[str, Any]]:
     finally:
         memory._record_memory_history(enabled=None)
     try:
-        trace = snapshot["device_traces"][torch.cuda.current_device()]
+        traces = snapshot["device_traces"]  # one list per device, by index
+        trace = traces[0] if len(traces) == 1 else traces[torch.cuda.current_device()]
         for event in trace:
             event["frames"] = [
                 {**f, "filename": os.path.abspath(f["filename"])} for f in event.get("frames", [])
