@@ -61,9 +61,11 @@ MI = 1 << 20
 SLACK_BYTES = 8 * MI
 # How far the placed dp_reshardable save's GPU peak may move between two models with the same
 # tensors and different widths: their metadata pickles differ by a few bytes per tensor (the
-# digits of shapes and offsets), and the allocator rounds blocks to 512 B. The check thus bounds
-# any term proportional to N by PROBE_TOLERANCE_BYTES / (N_full - N_half) bytes per element.
-PROBE_TOLERANCE_BYTES = 16 << 10
+# encodings of shapes and offsets), the fully parallel save may hand a few replicated tensors to
+# another DP rank (whose plan then grows by a few hundred bytes each, padded to the largest in
+# the object collectives), and the allocator rounds blocks to 512 B. The check bounds any term
+# proportional to N by PROBE_TOLERANCE_BYTES / (N_full - N_half) bytes per element.
+PROBE_TOLERANCE_BYTES = 32 << 10
 # "cuda"; "cpu" only under tests/support/megatron_cpu_run.py (gloo, TE's stand-in, no GPU).
 DEVICE = "cuda"
 

@@ -13,7 +13,7 @@
   NCCL ``all_gather`` output, (2·DP + 1) shards of the bucket) and loads' (the loaded states);
   no GPU block alive at a placed save's peak asked for by te_ckpt_placement or TE (the CUDA
   allocator's history, recorded as ``gpu_peak_live`` in every record); a placed dp_reshardable
-  save's peak the same, within 16 KiB, for a model of half the width (its metadata collectives
+  save's peak the same, within 32 KiB, for a model of half the width (its metadata collectives
   do not grow with N). Their records are the measurements of docs/megatron.md.
 
 Without megatron-core these skip, unless ``TE_CKPT_REQUIRE_MEGATRON=1`` (the GPU session sets
