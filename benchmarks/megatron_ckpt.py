@@ -36,6 +36,7 @@ Usage (repository root, megatron-core 0.19.2 and TE importable):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -46,7 +47,8 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +59,13 @@ MI = 1 << 20
 # GPU bytes a placed save or load may allocate beyond Megatron's own buffers: the metadata
 # collectives of dist_checkpointing (pickled objects on the GPU), nothing that scales with N.
 SLACK_BYTES = 8 * MI
+# How far the placed dp_reshardable save's GPU peak may move between two models with the same
+# tensors and different widths: their metadata pickles differ by a few bytes per tensor (the
+# encodings of shapes and offsets), the fully parallel save may hand a few replicated tensors to
+# another DP rank (whose plan then grows by a few hundred bytes each, padded to the largest in
+# the object collectives), and the allocator rounds blocks to 512 B. The check bounds any term
+# proportional to N by PROBE_TOLERANCE_BYTES / (N_full - N_half) bytes per element.
+PROBE_TOLERANCE_BYTES = 32 << 10
 # "cuda"; "cpu" only under tests/support/megatron_cpu_run.py (gloo, TE's stand-in, no GPU).
 DEVICE = "cuda"
 
@@ -81,6 +90,11 @@ SIZES = {
     # The CPU run of tests/support/megatron_cpu_run.py: 0.66 M parameters, several buckets.
     "smoke": Size(2, 128, 4, 1024, 32, 2, 2, 2, 60_000),
 }
+
+
+def half_width(size: Size) -> Size:
+    """The same layers and tensors, half the hidden size and vocabulary: about N/4 elements."""
+    return replace(size, hidden=size.hidden // 2, vocab=size.vocab // 2)
 
 
 @dataclass(frozen=True)
@@ -414,6 +428,151 @@ def _same(x: Any, y: Any) -> bool:
     return bool(x == y)
 
 
+# --- what a save may hold on the GPU ---------------------------------------------------------
+
+
+def gather_buffer_bytes(
+    sharding_type: str, world: int, bucket_numel: int, *, mem_efficient: bool = False
+) -> int:
+    """The most GPU bytes Megatron's own gather of one save holds at once, on any DP rank.
+
+    ``get_parameter_state_dp_zero`` (megatron-core 0.19.2 distrib_optimizer.py L1262-1409)
+    copies each bucket's local shards into host tensors (L1340-1355), then, one state key at a
+    time, for a shard of ``bucket_numel / world`` FP32 elements (``s`` bytes):
+
+    - ``fully_reshardable`` (``use_gloo_comm=False``, ``return_on_all_ranks=True``, L1729-1740):
+      ``world`` receive tensors on the GPU (L1362-1369), the send tensor's GPU copy (L1374), and
+      ``torch.distributed.all_gather`` into that list (L1376), for which torch's NCCL backend
+      allocates one flat ``world * s`` output and copies it out (``ProcessGroupNCCL::allgather``,
+      ``newLikeFlat``): ``(2 * world + 1) * s``. The receive tensors go to the host (L1392) and
+      the send copy is dropped (L1387) before the next key;
+    - ``dp_zero_gather_scatter`` (``use_gloo_comm=False``, ``gather`` to DP rank 0, L1380): NCCL's
+      gather receives into each tensor directly, so rank 0 holds ``(world + 1) * s``;
+    - ``fully_reshardable`` with ``distrib_optim_fully_reshardable_mem_efficient``: gloo, host
+      tensors only: 0. ``dp_reshardable`` gathers nothing: 0.
+    """
+    shard = bucket_numel // world * 4
+    if sharding_type == "fully_reshardable":
+        return 0 if mem_efficient else (2 * world + 1) * shard
+    if sharding_type == "dp_zero_gather_scatter":
+        return (world + 1) * shard
+    if sharding_type == "dp_reshardable":
+        return 0
+    raise ValueError(
+        f"unknown sharding type {sharding_type!r}: valid values are dp_reshardable, "
+        "fully_reshardable and dp_zero_gather_scatter"
+    )
+
+
+def peak_live(
+    trace: list[dict[str, Any]], *, torch_dir: str, owners: dict[str, str], top: int = 8
+) -> dict[str, Any]:
+    """What was allocated on the GPU, and still alive, at the peak of a CUDA allocator trace.
+
+    ``trace`` is one device's ``torch.cuda.memory._snapshot()["device_traces"]`` recorded over
+    the measured call: ``alloc`` adds a block, ``free_requested`` takes it off (where torch's
+    ``memory_allocated`` drops it), so the replay's peak is ``max_memory_allocated`` above the
+    start. Each block at the peak is charged to its *site*, the innermost Python frame outside
+    ``torch_dir`` (the code that asked torch for it); ``owners`` maps a name to a directory, and
+    ``owned_bytes`` sums, for each name, the live bytes whose site lies under it.
+    """
+    live: dict[int, dict[str, Any]] = {}
+    current = peak = 0
+    at_peak: list[dict[str, Any]] = []
+    for event in trace:
+        action = event.get("action")
+        if action == "alloc":
+            live[event["addr"]] = event
+            current += event["size"]
+        elif action == "free_requested":
+            current -= event["size"]
+            live.pop(event["addr"], None)
+        else:
+            continue
+        if current > peak:
+            peak, at_peak = current, list(live.values())
+    sites: dict[str, list[int]] = {}
+    owned = dict.fromkeys(owners, 0)
+    largest = []
+    for event in at_peak:
+        frames = event.get("frames") or []
+        site = next((f for f in frames if not f["filename"].startswith(torch_dir)), None)
+        where = _frame(site) if site is not None else "(no Python frame outside torch)"
+        entry = sites.setdefault(where, [0, 0])
+        entry[0] += event["size"]
+        entry[1] += 1
+        for name, directory in owners.items():
+            if site is not None and site["filename"].startswith(directory):
+                owned[name] += event["size"]
+        largest.append((event["size"], [_frame(f) for f in frames[:6]]))
+    largest.sort(key=lambda item: -item[0])
+    return {
+        "replay_peak_bytes": peak,
+        "live_bytes": sum(e["size"] for e in at_peak),
+        "owned_bytes": owned,
+        "by_site": [
+            {"site": where, "bytes": b, "count": c}
+            for where, (b, c) in sorted(sites.items(), key=lambda item: -item[1][0])[:top]
+        ],
+        "largest": [{"bytes": b, "frames": f} for b, f in largest[:top]],
+    }
+
+
+def _frame(frame: dict[str, Any]) -> str:
+    return f"{_short(frame['filename'])}:{frame['line']} {frame['name']}"
+
+
+def _short(filename: str) -> str:
+    for marker in ("site-packages/", "dist-packages/"):
+        if marker in filename:
+            return filename.split(marker, 1)[1]
+    root = str(ROOT) + os.sep
+    return filename[len(root) :] if filename.startswith(root) else filename
+
+
+def _package_dir(name: str) -> str | None:
+    module = sys.modules.get(name)
+    file = getattr(module, "__file__", None)
+    return os.path.dirname(os.path.abspath(file)) + os.sep if file else None
+
+
+@contextlib.contextmanager
+def allocator_history(enabled: bool = True) -> Iterator[dict[str, Any]]:
+    """Records the CUDA allocator's history over the block; fills the yielded dict with
+    :func:`peak_live` of it (or ``{"error": ...}``) after the block. ``enabled=False``: no-op.
+
+    The history is read before it is switched off (switching it off clears it).
+    """
+    out: dict[str, Any] = {}
+    if not enabled:
+        yield out
+        return
+    from torch.cuda import memory
+
+    owners = {
+        name: d
+        for name in ("te_ckpt_placement", "transformer_engine")
+        if (d := _package_dir(name)) is not None
+    }
+    torch_dir = _package_dir("torch") or ""
+    memory._record_memory_history(enabled="all", context="alloc", stacks="python")
+    try:
+        yield out
+        snapshot = memory._snapshot()
+    finally:
+        memory._record_memory_history(enabled=None)
+    try:
+        traces = snapshot["device_traces"]  # one list per device, by index
+        trace = traces[0] if len(traces) == 1 else traces[torch.cuda.current_device()]
+        for event in trace:
+            event["frames"] = [
+                {**f, "filename": os.path.abspath(f["filename"])} for f in event.get("frames", [])
+            ]
+        out.update(peak_live(trace, torch_dir=torch_dir, owners=owners))
+    except Exception as exc:  # the breakdown explains a figure; it is not one
+        out["error"] = f"{type(exc).__name__}: {exc}"
+
+
 # --- the run ----------------------------------------------------------------------------------
 
 
@@ -451,7 +610,9 @@ class Run:
         else:
             self.check(case, f"not measured on the CPU: {name}", True, detail)
 
-    def measure(self, op: str, case: Case, mode: str, n: int, fn: Any) -> dict[str, Any]:
+    def measure(
+        self, op: str, case: Case, mode: str, n: int, fn: Any, **extra: Any
+    ) -> dict[str, Any]:
         import torch.distributed as dist
 
         _ensure_root_on_path()
@@ -459,8 +620,11 @@ class Run:
 
         result: dict[str, Any] = {}
         dist.barrier()
-        with measured(result, cuda=DEVICE == "cuda"):
-            fn()
+        with allocator_history(DEVICE == "cuda") as breakdown:
+            with measured(result, cuda=DEVICE == "cuda"):
+                fn()
+        if breakdown:
+            result["gpu_peak_live"] = breakdown
         per_rank: list[Any] = [None] * self.world
         dist.all_gather_object(per_rank, {**result, "n_elements": n})
         record = {
@@ -473,6 +637,7 @@ class Run:
             "peak_extra_host_bytes": max(r["peak_extra_host_bytes"] for r in per_rank),
             "seconds": max(r["seconds"] for r in per_rank),
             "world_size": self.world,
+            **extra,
             "per_rank": per_rank,
         }
         self.records.append(record)
@@ -483,6 +648,8 @@ class Run:
                 f"  host +{record['peak_extra_host_bytes'] / MI:9.1f} MiB"
                 f"  {record['seconds']:6.2f} s"
             )
+            for site in result.get("gpu_peak_live", {}).get("by_site", [])[:4]:
+                print(f"    live at the GPU peak: {site['bytes'] / MI:9.3f} MiB  {site['site']}")
         return result
 
     def run_case(self, case: Case) -> None:
@@ -593,7 +760,6 @@ class Run:
         placed = results["placement_cpu"]["peak_extra_gpu_bytes"]
         default = results["te_default"]["peak_extra_gpu_bytes"]
         if case.sharding_type == "dp_reshardable":
-            bound = SLACK_BYTES
             removed = default - placed
             self.memory_check(
                 case,
@@ -601,17 +767,37 @@ class Run:
                 removed >= 0.9 * 8 * n,
                 {"default": default, "placed": placed, "8N": 8 * n},
             )
-        else:
-            # Megatron's own gather buffers (L1360-1376): per bucket, the send tensor on the GPU
-            # and DP receive tensors, FP32.
-            world = member.data_parallel_group.size()
-            bucket = max(b.grad_data.numel() for buf in member.buffers for b in buf.buckets)
-            bound = (world + 1) * (bucket // world) * 4 + SLACK_BYTES
+        # Megatron's own gather buffers (see gather_buffer_bytes: for fully_reshardable, torch's
+        # flat NCCL all_gather output included) for the largest bucket, plus the metadata
+        # collectives of dist_checkpointing and DCP (SLACK_BYTES).
+        world = member.data_parallel_group.size()
+        bucket = max(b.grad_data.numel() for buf in member.buffers for b in buf.buckets)
+        gather = gather_buffer_bytes(
+            case.sharding_type,
+            world,
+            bucket,
+            mem_efficient=metadata(case).get(
+                "distrib_optim_fully_reshardable_mem_efficient", False
+            ),
+        )
+        bound = gather + SLACK_BYTES
         self.memory_check(
             case,
             "save: placed peak GPU within bound",
             placed <= bound,
-            {"placed": placed, "bound": bound, "default": default},
+            {"placed": placed, "bound": bound, "gather": gather, "default": default},
+        )
+        self._check_nothing_of_ours(case, "save", results["placement_cpu"])
+
+    def _check_nothing_of_ours(self, case: Case, op: str, result: dict[str, Any]) -> None:
+        """No GPU block alive at the placed peak was asked for by te_ckpt_placement or TE."""
+        live = result.get("gpu_peak_live", {})
+        owned = live.get("owned_bytes")
+        self.memory_check(
+            case,
+            f"{op}: no GPU bytes at the placed peak are te_ckpt_placement's or TE's",
+            owned is not None and not any(owned.values()),
+            {"owned_bytes": owned, "by_site": live.get("by_site"), "error": live.get("error")},
         )
 
     def _check_load_memory(
@@ -642,6 +828,50 @@ class Run:
             )
         self.memory_check(
             case, "load: placed peak GPU not above Megatron's", placed <= default, detail
+        )
+
+    def size_probe(self) -> None:
+        """Placed dp_reshardable saves of two models that differ only in width: their GPU peaks
+        (dist_checkpointing's and DCP's metadata collectives, on NCCL: pickled descriptions of
+        the same ShardedTensors) must not grow with the number of elements N."""
+        from te_ckpt_placement.integrations.megatron import place_optimizer
+
+        case = Case("dp_reshardable", buckets=False)
+        found = {}
+        for label, size in (("full", self.size), ("half_width", half_width(self.size))):
+            model, gpt, optimizer = build(size, case, seed=1)
+            train(model, optimizer, size, 1, seed=1)
+            place_optimizer(optimizer)
+            ckpt = self.root / f"size_probe_{label}"
+            result = self.measure(
+                "megatron_save_probe",
+                case,
+                "placement_cpu",
+                local_elements(optimizer),
+                lambda ckpt=ckpt, gpt=gpt, optimizer=optimizer: save(gpt, optimizer, case, ckpt),
+                model_size=label,
+                model=size.__dict__,
+            )
+            record = self.records[-1]
+            found[label] = (record["n_elements"], record["peak_extra_gpu_bytes"])
+            self._check_nothing_of_ours(case, f"save ({label} probe)", result)
+            del model, gpt, optimizer
+            _free()
+            if self.rank == 0:
+                shutil.rmtree(ckpt, ignore_errors=True)
+        (n_full, full), (n_half, half) = found["full"], found["half_width"]
+        self.memory_check(
+            case,
+            "save: placed dp_reshardable peak independent of N",
+            abs(full - half) <= PROBE_TOLERANCE_BYTES and max(full, half) <= SLACK_BYTES,
+            {
+                "n_elements": [n_full, n_half],
+                "peak_extra_gpu_bytes": [full, half],
+                "difference": full - half,
+                "tolerance": PROBE_TOLERANCE_BYTES,
+                "8 B x difference of N": 8 * (n_full - n_half),
+                "bound": SLACK_BYTES,
+            },
         )
 
     def remainder_probe(self) -> None:
@@ -758,6 +988,8 @@ def main(argv: list[str] | None = None) -> int:
         for case in cases(run.world):
             if not wanted or case.sharding_type in wanted:
                 attempt(case.name, lambda case=case: run.run_case(case))
+        if not wanted or "dp_reshardable" in wanted:
+            attempt("size probe", run.size_probe)
         if run.world == 1 and not wanted:
             attempt("probe", run.remainder_probe)
         write(done=True)

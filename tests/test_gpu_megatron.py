@@ -9,8 +9,12 @@
   two), which checks: the placed checkpoints equal Megatron's bit for bit; resuming from them,
   and N steps after, equal resuming from Megatron's; the placed saves' GPU peaks (0 beyond a
   small slack for dp_reshardable, Megatron's own gather buffers for dp_zero_gather_scatter and
-  fully_reshardable) and loads' (the loaded states). Their records are the measurements of
-  docs/megatron.md.
+  fully_reshardable: ``gather_buffer_bytes``, which for fully_reshardable counts torch's flat
+  NCCL ``all_gather`` output, (2·DP + 1) shards of the bucket) and loads' (the loaded states);
+  no GPU block alive at a placed save's peak asked for by te_ckpt_placement or TE (the CUDA
+  allocator's history, recorded as ``gpu_peak_live`` in every record); a placed dp_reshardable
+  save's peak the same, within 32 KiB, for a model of half the width (its metadata collectives
+  do not grow with N). Their records are the measurements of docs/megatron.md.
 
 Without megatron-core these skip, unless ``TE_CKPT_REQUIRE_MEGATRON=1`` (the GPU session sets
 it), which turns a missing Megatron into a failure. ``TE_CKPT_MEGATRON_OUT=DIR`` keeps each run's

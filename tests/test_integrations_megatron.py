@@ -702,3 +702,76 @@ def test_megatrons_own_training_setup_end_to_end(world: int, tmp_path: Path) -> 
         pytest.skip(reason)
     result = md.run(world, tmp_path, cpu=True, size="smoke", timeout=300)
     md.assert_cases_ran(result, world, fp8=False)
+
+
+def _benchmark() -> Any:
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+    import benchmarks.megatron_ckpt as bench
+
+    return bench
+
+
+def test_the_gather_bound_counts_torchs_flat_all_gather_output() -> None:
+    """Megatron's own gather buffers, per DP rank, one state key of one bucket at a time: the
+    receive tensors, the send copy and, for ``all_gather`` into a list on NCCL, torch's flat
+    output (measured on 2 H200s: 160.6 MiB placed for one 16.8 M-element bucket, which the
+    bound without it, (DP + 1) shards, missed)."""
+    bench = _benchmark()
+    world, bucket = 2, 1000
+    shard = bucket // world * 4
+    fully = bench.gather_buffer_bytes("fully_reshardable", world, bucket)
+    gathered = bench.gather_buffer_bytes("dp_zero_gather_scatter", world, bucket)
+    assert fully == world * shard + shard + world * shard  # receive list, send, flat output
+    assert gathered == world * shard + shard  # NCCL gather receives into the list itself
+    assert bench.gather_buffer_bytes("fully_reshardable", 4, 4000, mem_efficient=True) == 0
+    assert bench.gather_buffer_bytes("dp_reshardable", world, bucket) == 0
+    with pytest.raises(ValueError, match="valid values are dp_reshardable"):
+        bench.gather_buffer_bytes("fully_sharded_model_space", world, bucket)
+
+
+def _frames(*files: str) -> list[dict[str, Any]]:
+    return [{"filename": f, "line": i + 1, "name": f"f{i}"} for i, f in enumerate(files)]
+
+
+def test_the_gpu_peak_breakdown_replays_the_allocator_trace() -> None:
+    """What the benchmark records about a GPU peak: the blocks alive at the replayed peak,
+    charged to the innermost frame outside torch, and the bytes te_ckpt_placement asked for."""
+    bench = _benchmark()
+    torch_dir, ours = "/sp/torch/", "/repo/te_ckpt_placement/"
+    gather = _frames(torch_dir + "distributed/c10d.py", "/sp/megatron/distrib_optimizer.py")
+    mine = _frames(ours + "engine.py", torch_dir + "x.py")
+    trace = [
+        {"action": "free_requested", "addr": 9, "size": 40},  # allocated before the call
+        {"action": "alloc", "addr": 1, "size": 100, "frames": gather},
+        {"action": "segment_alloc", "addr": 1, "size": 4096},
+        {"action": "alloc", "addr": 2, "size": 30, "frames": mine},
+        {"action": "free_requested", "addr": 1, "size": 100},
+        {"action": "free_completed", "addr": 1, "size": 100},
+        {"action": "alloc", "addr": 3, "size": 50, "frames": gather},
+    ]
+    live = bench.peak_live(trace, torch_dir=torch_dir, owners={"te_ckpt_placement": ours})
+    # -40, +100 -> 60, +30 -> 90 (the peak), -100 -> -10, +50 -> 40.
+    assert live["replay_peak_bytes"] == 90
+    assert live["live_bytes"] == 130
+    assert live["owned_bytes"] == {"te_ckpt_placement": 30}
+    assert [(s["site"], s["bytes"]) for s in live["by_site"]] == [
+        ("/sp/megatron/distrib_optimizer.py:2 f1", 100),
+        ("/repo/te_ckpt_placement/engine.py:1 f0", 30),
+    ]
+    assert [b["bytes"] for b in live["largest"]] == [100, 30]
+    assert live["largest"][0]["frames"][0] == "/sp/torch/distributed/c10d.py:1 f0"
+    # A block with no frame outside torch is named as such, and charged to nobody.
+    only_torch = [{"action": "alloc", "addr": 4, "size": 8, "frames": _frames(torch_dir + "a.py")}]
+    live = bench.peak_live(only_torch, torch_dir=torch_dir, owners={"te_ckpt_placement": ours})
+    assert live["by_site"][0]["site"] == "(no Python frame outside torch)"
+    assert live["owned_bytes"] == {"te_ckpt_placement": 0}
+
+
+def test_the_size_probe_keeps_every_tensor_and_halves_the_width() -> None:
+    bench = _benchmark()
+    for size in bench.SIZES.values():
+        half = bench.half_width(size)
+        assert (half.layers, half.seq, half.batch) == (size.layers, size.seq, size.batch)
+        assert half.hidden * 2 == size.hidden and half.vocab * 2 == size.vocab
+        assert half.hidden % half.heads == 0

@@ -73,7 +73,7 @@ def assert_cases_ran(result: dict[str, Any], world: int, *, fp8: bool = True) ->
         sys.path.insert(0, str(REPO_ROOT))
     import torch
 
-    from benchmarks.megatron_ckpt import cases
+    from benchmarks.megatron_ckpt import Case, cases
 
     expected = [c for c in cases(world) if fp8 or c.moments != torch.uint8]
     checks = {
@@ -88,6 +88,7 @@ def assert_cases_ran(result: dict[str, Any], world: int, *, fp8: bool = True) ->
             "checkpoints equal Megatron's, bit for bit",
             "loaded states and params equal Megatron's load",
             "save: placed peak GPU within bound",
+            "save: no GPU bytes at the placed peak are te_ckpt_placement's or TE's",
             "load: placed peak GPU not above Megatron's",
         ):
             assert (case.name, check) in checks, (case.name, check)
@@ -95,6 +96,11 @@ def assert_cases_ran(result: dict[str, Any], world: int, *, fp8: bool = True) ->
         for op in ("megatron_save", "megatron_load"):
             for mode in ("te_default", "placement_cpu"):
                 assert (case.name, op, mode) in ops, (case.name, op, mode)
+    # The dp_reshardable size probe: two widths, their placed saves measured and compared.
+    probe = Case("dp_reshardable", buckets=False).name
+    assert (probe, "save: placed dp_reshardable peak independent of N") in checks
+    sizes = {r["model_size"] for r in result["records"] if r["op"] == "megatron_save_probe"}
+    assert sizes == {"full", "half_width"}, sizes
     assert {r["world_size"] for r in result["records"]} == {world}
 
 
