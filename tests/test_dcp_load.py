@@ -500,7 +500,7 @@ def test_a_slot_is_reused_only_after_its_upload_completed() -> None:
     ring = load_planner._UploadRing(torch.device("cpu"), 64)
     assert ring.nbytes == load_planner.UPLOAD_SLOTS * 64
     taken = []
-    for i in range(5):
+    for _ in range(5):
         slot = ring.take(64)
         assert slot is not None
         event = ring.events[slot]
