@@ -322,6 +322,8 @@ def streaming_load(model: Any, opt: Any, path: str) -> dict[str, Any]:
     return {
         "peak_assembly_bytes": planner.peak_assembly_bytes,
         "fallbacks": planner.fallbacks,
+        "load_stats": dict(planner.stats),  # resolve/commit/upload-wait seconds, ring items
+        "torch_threads": torch.get_num_threads(),
         "versions": {"torch": torch.__version__, "transformer_engine": te_version()},
     }
 
@@ -671,7 +673,10 @@ def run_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
         del optim
         read_back(path, "dcp_load source")
         loaded: dict[str, dict[str, Any]] = {}
-        for mode in MODES["dcp_load"]:  # te_default first: the reference of FP16/FP8 loads
+        load_modes = modes("dcp_load")
+        if args.moments not in ("bf16", "fp32") and "te_default" not in load_modes:
+            load_modes.insert(0, "te_default")  # the reference of FP16/FP8 loads
+        for mode in load_modes:  # te_default first: the reference of FP16/FP8 loads
             train_step(model, opt, hidden)  # the load has to undo this step
             assert fingerprint(model, opt).keys() == before.keys()
             result = {}
@@ -686,14 +691,22 @@ def run_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
                         else contextlib.nullcontext()
                     )
                     with policy:
+                        t0 = time.perf_counter()
                         state = {
                             "model": get_model_state_dict(model),
                             "optim": get_optimizer_state_dict(model, opt, options=placed),
                         }
+                        t1 = time.perf_counter()
                         dcp.load(state, checkpoint_id=path)
+                        t2 = time.perf_counter()
                         set_model_state_dict(model, state["model"])
                         set_optimizer_state_dict(model, opt, state["optim"], options=placed)
+                        t3 = time.perf_counter()
                     del state
+                    extra = {
+                        "split_s": {"template": t1 - t0, "dcp_load": t2 - t1, "set": t3 - t2},
+                        "torch_threads": torch.get_num_threads(),
+                    }
             loaded[mode] = fingerprint(model, opt)
             # BF16/FP32 states load back exactly as saved. FP16/FP8 ones are rescaled by TE's
             # own load, so for them the policy's load must equal TE's load instead.

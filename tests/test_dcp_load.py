@@ -439,3 +439,147 @@ def test_streaming_load_on_two_ranks(tmp_path: Path) -> None:
     spawn(_worker, str(tmp_path))
     for ckpt in ("reshard/one_to_two", "full_state_dict"):
         assert (tmp_path / ckpt / ".metadata").is_file(), f"{ckpt}: no checkpoint"
+
+
+# --- the upload ring (its CPU seam: slots of plain memory, copies that complete at once) --------
+def nan_payloads(shape: tuple[int, ...]) -> torch.Tensor:
+    """FP32 values with NaNs of several signs and payloads (quiet and signalling) among them."""
+    values = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+    patterns = torch.tensor([0x7FC00000, 0xFFC00001, 0x7F800001, 0xFF812345], dtype=torch.int64)
+    flat = values.view(-1).view(torch.int32)
+    flat[::3] = patterns.repeat(flat[::3].numel() // 4 + 1)[: flat[::3].numel()].to(torch.int32)
+    return values
+
+
+def sources() -> dict[str, torch.Tensor]:
+    """Item sources as DCP's reader hands them: saved tensors of several layouts, narrowed."""
+    rows = nan_payloads((6, 40))
+    cols = nan_payloads((40, 6)).t()  # dense, not row-major
+    cube = nan_payloads((4, 5, 6)).permute(2, 0, 1)
+    return {
+        "contiguous": rows,
+        "transposed": cols,
+        "transposed rows": cols[1:4],
+        "transposed columns": cols[:, 5:30],
+        "narrowed columns": rows[:, 3:37],
+        "narrowed rows": rows[2:5],
+        "strided vector": rows[:, 7],
+        "permuted cube": cube,
+        "one element": rows[1:2, 3:4],
+        "half": nan_payloads((6, 40)).half().t(),
+        "bf16 into fp32": nan_payloads((6, 40)).bfloat16().t(),
+    }
+
+
+@pytest.mark.parametrize("name", list(sources()))
+def test_a_slot_holds_the_bits_of_torchs_copy_to_the_device(name: str) -> None:
+    src = sources()[name]
+    dtype = torch.float32 if name == "bf16 into fp32" else torch.bfloat16
+    # torch's host-to-device copy (aten/src/ATen/native/cuda/Copy.cu): src.to(dst.dtype) on the
+    # host, made contiguous, then a plain copy of those bytes.
+    expected = src.to(dtype).contiguous()
+    ring = load_planner._UploadRing(torch.device("cpu"), 4096)
+    slot = ring.take(expected.numel() * 2)
+    assert slot is not None
+    target = ring.view(slot, tuple(src.shape), dtype).detach()  # as FileSystemReader does
+    target.copy_(src)
+    live = torch.empty(src.shape, dtype=dtype)
+    ring.upload(slot, live, target)
+    assert torch.equal(bits(live), bits(expected))
+    ring.close()
+
+
+def test_a_plain_copy_into_a_contiguous_buffer_would_differ_in_nan_bits() -> None:
+    """Why slots convert through _Slot: the CPU kernels differ for a dense transposed source."""
+    src = sources()["transposed"]
+    plain = torch.empty(src.shape, dtype=torch.bfloat16).copy_(src)
+    assert not torch.equal(bits(plain), bits(src.to(torch.bfloat16).contiguous()))
+
+
+def test_a_slot_is_reused_only_after_its_upload_completed() -> None:
+    ring = load_planner._UploadRing(torch.device("cpu"), 64)
+    assert ring.nbytes == load_planner.UPLOAD_SLOTS * 64
+    taken = []
+    for _ in range(5):
+        slot = ring.take(64)
+        assert slot is not None
+        event = ring.events[slot]
+        # Every upload previously recorded on this slot was waited for before it was lent again.
+        assert event.waited == event.recorded
+        taken.append(slot)
+        ring.upload(slot, torch.empty(16), ring.view(slot, (16,), torch.float32))
+        assert ring.events[slot].recorded > ring.events[slot].waited  # queued, not waited yet
+    assert taken == [i % load_planner.UPLOAD_SLOTS for i in range(5)]
+    # Slots handed out and not committed are never lent twice; with all lent, none is.
+    lent = [ring.take(64) for _ in range(load_planner.UPLOAD_SLOTS)]
+    assert sorted(lent) == list(range(load_planner.UPLOAD_SLOTS))  # type: ignore[type-var]
+    assert ring.take(64) is None
+    ring.close()
+    assert ring.buffers == [] and not any(ring.queued) and not any(ring.lent)
+
+
+@pytest.fixture
+def ring_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Routes CPU live states through the upload ring; returns the rings made, to inspect."""
+    monkeypatch.setattr(load_planner, "RING_DEVICE_TYPES", ("cuda", "cpu"))
+    made: list[Any] = []
+    original = load_planner._UploadRing.__init__
+
+    def init(self: Any, *args: Any) -> None:
+        original(self, *args)
+        made.append(self)
+
+    monkeypatch.setattr(load_planner._UploadRing, "__init__", init)
+    return made
+
+
+@pytest.mark.usefixtures("quiet")
+@pytest.mark.parametrize("master", MASTERS)
+def test_the_ring_path_loads_what_the_template_path_loads(
+    tmp_path: Path, master: str, ring_on_cpu: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = trained(torch.bfloat16, master)
+    save(run, tmp_path)
+    ours, ref = plain_run(torch.bfloat16, master, seed=7), plain_run(torch.bfloat16, master, 7)
+    # Slots smaller than the largest items: those are copied straight into the live state.
+    item_bytes = sorted(
+        {2 * v.numel() for v in run.opt.state[run.opt.param_groups[0]["params"][0]].values()}
+    )
+    cap = load_planner.UPLOAD_SLOTS * max(16, min(item_bytes))
+    monkeypatch.setattr(load_planner, "UPLOAD_RING_BYTES", cap)
+    planner = load_streaming(ours, tmp_path)
+    load_template_path(ref, tmp_path)
+    assert_same_run(ours, ref, "ring path vs template path")
+    assert_same_run(ours, run, "ring path vs saved")
+    stats = planner.stats
+    assert stats["ring_items"] > 0 and stats["direct_items"] > 0
+    assert 0 < stats["ring_host_bytes"] <= cap
+    assert [ring.buffers for ring in ring_on_cpu] == [[]]  # closed at the load's end
+    assert planner._rings == {} and planner._pending == {}
+
+
+@pytest.mark.usefixtures("quiet")
+def test_a_failed_upload_waits_for_the_others_and_lets_the_ring_go(
+    tmp_path: Path, ring_on_cpu: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = trained(torch.bfloat16, "fp32")
+    save(run, tmp_path)
+    ours = trained(torch.bfloat16, "fp32", seed=30)
+    calls = []
+    original = load_planner._UploadRing.upload
+
+    def failing(self: Any, slot: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+        calls.append(slot)
+        if len(calls) == 4:
+            raise RuntimeError("CUDA error: an illegal memory access")
+        original(self, slot, dst, src)
+
+    monkeypatch.setattr(load_planner._UploadRing, "upload", failing)
+    state = {"optim": ours.state()}
+    planner = StreamingLoadPlanner(state["optim"])
+    with pytest.raises(CheckpointException, match="illegal memory access"), no_template(ours.opt):
+        dcp.load(state, checkpoint_id=str(tmp_path), planner=planner)
+    (ring,) = ring_on_cpu
+    assert ring.buffers == [] and not any(ring.queued) and not any(ring.lent)
+    assert planner._rings == {} and planner._pending == {}
+    assert "3 of" in planner.progress

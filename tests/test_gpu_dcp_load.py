@@ -89,7 +89,7 @@ def _bounds_worker(rank: int, port: int, root: str, results: str | None) -> None
 
     from benchmarks.dcp_e2e import build, fingerprint, local, train_step
     from benchmarks.export_memory import HostPeak, rss
-    from te_ckpt_placement.dcp import PlacedOptimizerState, StreamingLoadPlanner
+    from te_ckpt_placement.dcp import PlacedOptimizerState, StreamingLoadPlanner, load_planner
 
     _init(rank, port)
     try:
@@ -138,6 +138,12 @@ def _bounds_worker(rank: int, port: int, root: str, results: str | None) -> None
         assert ours["peak_extra_gpu_bytes"] == 0, where
         assert ours["peak_extra_host_bytes"] <= 2**30 + 4 * m_local, where
         assert planner.peak_assembly_bytes == 0, where  # BF16/int16: straight into the live states
+        # The elementwise items went through the pinned upload ring, within its bound.
+        stats = planner.stats
+        assert stats["ring_items"] > 0 and stats["ring_bytes"] > 0, f"{where} {stats}"
+        assert 0 < stats["ring_host_bytes"] <= load_planner.UPLOAD_RING_BYTES, f"{where} {stats}"
+        assert planner._rings == {}, where  # closed (synchronized) at the load's end
+        ours["load_stats"] = stats
         # The template path holds the host template (10 B/N here): the bound discriminates.
         assert measured["placement_cpu_template"]["peak_extra_host_bytes"] > 2**30 + 4 * m_local
         if results is not None:

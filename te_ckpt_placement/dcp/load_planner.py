@@ -8,9 +8,12 @@ checkpoint item of a TE FusedAdam state straight into the live state instead, th
 fill, ``commit_tensor`` says it was filled):
 
 - BF16, FP32 and int16 (master remainder) states are elementwise: an item is copied into the
-  region of the live state it covers as it arrives (to a GPU state: one host-to-device copy; an
-  FP32 item for a BF16 state is rounded to nearest even on the host by that copy, as TE's load
-  does with ``.bfloat16()``);
+  region of the live state it covers as it arrives. To a GPU state the reader's copy goes into a
+  pinned host slot of an :class:`_UploadRing` (converted there, in the state's dtype), which is
+  then copied to the live region asynchronously while the reader reads the next item; items
+  larger than a slot are copied straight into the live region. Either way an FP32 item for a
+  BF16 state is rounded to nearest even on the host with the bits torch's own host-to-device
+  ``copy_`` would leave (see :class:`_Slot`), as TE's load does with ``.bfloat16()``;
 - FP16 and FP8 states are scaled by the absmax of the whole local state, so their items are
   assembled in a host FP32 buffer of the local state, written through TE's ``set_scaled_state``
   (the one per-state write, :func:`_write_state`) when the last item has arrived, and freed.
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -70,6 +74,7 @@ from ..te_contract import (
     raw_storage,
     stored_dtype,
 )
+from ..upload import _vectorized, bf16_copy_is_vectorized
 
 if TYPE_CHECKING:
     from .state import PlacedOptimizerState
@@ -80,6 +85,15 @@ __all__ = ["StreamingLoadPlanner", "StreamingLoadWarning"]
 # 2.20.2 fused_adam.py L268-308); ``torch.uint8`` is FP8. Every other state is elementwise.
 WHOLE_STATE_DTYPES = (torch.float16, torch.uint8)
 FP32_BYTES = 4
+
+
+#: Pinned host bytes of the upload ring of one device, all slots together; items larger than a
+#: slot are copied straight into the live state.
+UPLOAD_RING_BYTES = 256 << 20
+#: Slots of the upload ring: the reader fills one while the previous one uploads.
+UPLOAD_SLOTS = 2
+#: Device types whose live states are loaded through the upload ring (a seam for CPU tests).
+RING_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
 
 
 class StreamingLoadWarning(UserWarning):
@@ -97,6 +111,144 @@ def _write_state(optimizer: Any, param: torch.Tensor, name: str, value: torch.Te
     validates the value and writes it exactly as TE's load would.
     """
     te_load.load_state(optimizer, param, name, value)
+
+
+class _Slot(torch.Tensor):
+    """A ring slot handed to the reader: its ``copy_`` leaves the bits of a copy to the device.
+
+    torch's host-to-device ``copy_`` of a tensor of another dtype converts on the host first,
+    ``src.to(dst.dtype)`` (aten/src/ATen/native/cuda/Copy.cu, ``copy_kernel_cuda``), and the CPU
+    FP32-to-BF16 conversion has two kernels that differ in the bits of NaNs (see
+    :mod:`..upload`). ``.to`` keeps a dense source's layout (the vectorized kernel); a copy into
+    this contiguous slot takes the kernel of the source's innermost dimension. Where the two
+    differ (a dense source not laid out row-major), or for another pair of dtypes, the slot is
+    filled from ``src.to(dtype)`` as torch's copy does; otherwise the copy converts straight
+    into the slot.
+    """
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.Tensor.copy_ and len(args) == 2 and not kwargs:
+            dst, src = args
+            with torch._C.DisableTorchFunctionSubclass():
+                if isinstance(src, torch.Tensor) and not _converts_alike(dst, src):
+                    src = src.to(dst.dtype)
+                dst.copy_(src)
+            return dst
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def _converts_alike(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether ``dst.copy_(src)`` on the host leaves the bits of ``src.to(dst.dtype)``."""
+    if src.dtype == dst.dtype:
+        return True  # a plain copy
+    if src.dtype != torch.float32 or dst.dtype != torch.bfloat16 or src.numel() < 2:
+        return False  # other conversions: through .to, as torch's copy does
+    ours = _vectorized(tuple(dst.stride()), tuple(src.shape), tuple(src.stride()))
+    return ours == bf16_copy_is_vectorized(src)
+
+
+class _CpuEvent:
+    """The ring's event on a host device (the CPU seam): copies there complete at once."""
+
+    def __init__(self) -> None:
+        self.recorded = 0  # uploads recorded
+        self.waited = 0  # how many of them the ring waited for
+
+    def record(self) -> None:
+        self.recorded += 1
+
+    def synchronize(self) -> None:
+        self.waited = self.recorded
+
+
+class _UploadRing:
+    """Pinned host slots for one device and the copy stream that uploads them.
+
+    :meth:`take` lends a slot for one item (after the slot's previous upload completed; None
+    when every slot is lent), :meth:`upload` queues its copy into the live region and records the
+    slot's event. The copy stream first waits for the current stream (where the live state was
+    made and last used), and the current stream then waits for the copy, so anything launched
+    after it, also after a failed load, sees the data. The copy stream allocates nothing.
+    :meth:`close` synchronizes every copy before the slots are let go.
+    """
+
+    def __init__(self, device: torch.device, slot_bytes: int) -> None:
+        self.device = device
+        self.slot_bytes = slot_bytes
+        cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if cuda else None
+        self.buffers = [
+            torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=cuda) for _ in range(UPLOAD_SLOTS)
+        ]
+        self.events: list[Any] = [
+            torch.cuda.Event() if cuda else _CpuEvent() for _ in range(UPLOAD_SLOTS)
+        ]
+        self.queued = [False] * UPLOAD_SLOTS  # an upload from the slot may be in flight
+        self.lent = [False] * UPLOAD_SLOTS  # handed to the reader, not committed yet
+        self._turn = 0
+        self.wait_s = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self.buffers)
+
+    def take(self, nbytes: int) -> int | None:
+        """A free slot for ``nbytes``, once its previous upload completed; None if all are lent."""
+        for k in range(UPLOAD_SLOTS):
+            slot = (self._turn + k) % UPLOAD_SLOTS
+            if not self.lent[slot]:
+                break
+        else:
+            return None
+        if self.queued[slot]:
+            start = time.perf_counter()
+            self.events[slot].synchronize()
+            self.wait_s += time.perf_counter() - start
+            self.queued[slot] = False
+        self._turn = slot + 1
+        self.lent[slot] = True
+        return slot
+
+    def view(self, slot: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = math.prod(shape) * dtype.itemsize
+        buffer = self.buffers[slot][:nbytes].view(dtype).view(shape)
+        return buffer.as_subclass(_Slot)
+
+    def upload(self, slot: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Queues ``dst.copy_(src)`` (same dtype and shape, both contiguous) from ``slot``."""
+        src = src.as_subclass(torch.Tensor)
+        self.lent[slot] = False
+        event = self.events[slot]
+        if self.stream is None:
+            with torch.no_grad():
+                dst.copy_(src)
+            event.record()
+        else:
+            current = torch.cuda.current_stream(self.device)
+            self.stream.wait_stream(current)  # dst's allocation or last use is queued there
+            with torch.cuda.stream(self.stream), torch.no_grad():
+                dst.copy_(src, non_blocking=True)
+                event.record(self.stream)
+            current.wait_event(event)
+        self.queued[slot] = True
+
+    def close(self) -> None:
+        """Waits for every upload, then lets the slots go (also on an error path)."""
+        start = time.perf_counter()
+        try:
+            if self.stream is not None:
+                self.stream.synchronize()
+            else:
+                for slot, event in enumerate(self.events):
+                    if self.queued[slot]:
+                        event.synchronize()
+        finally:
+            self.wait_s += time.perf_counter() - start
+            self.queued = [False] * UPLOAD_SLOTS
+            self.lent = [False] * UPLOAD_SLOTS
+            self.buffers = []
 
 
 class _Target:
@@ -409,6 +561,26 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         self.peak_assembly_bytes = 0
         #: Why an adapter loaded through the template path instead (empty: none did).
         self.fallbacks: list[str] = []
+        self._slot_bytes = 0
+        self._rings: dict[torch.device, _UploadRing] = {}
+        self._pending: dict[ReadItem, tuple[_UploadRing, int, torch.Tensor]] = {}
+        #: Where the load's time went, for benchmarks: seconds inside ``resolve_tensor`` and
+        #: ``commit_tensor`` of optimizer states and waiting for uploads (a slot's previous
+        #: upload, and the last ones), items read through the upload ring (``ring_items``,
+        #: ``ring_bytes`` uploaded) or copied straight into the live state (``direct_items``),
+        #: and the ring's pinned host bytes (``ring_host_bytes``, all devices).
+        self.stats: dict[str, float] = dict.fromkeys(
+            (
+                "resolve_s",
+                "commit_s",
+                "wait_s",
+                "ring_items",
+                "ring_bytes",
+                "direct_items",
+                "ring_host_bytes",
+            ),
+            0,
+        )
         for state in states:
             state._load_planner = self
 
@@ -553,6 +725,8 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         """Checks that the reads cover every local element of every state exactly once."""
         covered = dict.fromkeys(self._targets, 0)
         problems = []
+        slot_cap = UPLOAD_RING_BYTES // UPLOAD_SLOTS
+        self._slot_bytes = 0
         for item in items:
             target = self._targets.get(item.dest_index.fqn)
             if target is None:
@@ -568,6 +742,10 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
                 # stage on the GPU and round with the kernel of the piece's layout, not the
                 # whole state's. The state is assembled on the host and written whole instead.
                 target.live = None
+            if target.live is not None and target.live.device.type in RING_DEVICE_TYPES:
+                nbytes = math.prod(item.lengths) * target.live.element_size()
+                if nbytes <= slot_cap:
+                    self._slot_bytes = max(self._slot_bytes, nbytes)
         for key, target in self._targets.items():
             if covered[key] != target.numel:
                 problems.append(
@@ -588,18 +766,25 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         if target is None:
             return super().resolve_tensor(read_item)
         with self._lock:
+            start = time.perf_counter()
             try:
                 self._start(target)
                 if target.live is not None:
-                    # The reader copies the item into the live region; the copy converts as
-                    # TE's load does: any float into FP32 is .float(), into BF16 it is
-                    # .float().bfloat16() (c10 rounds through float, to nearest even).
-                    return self.transform_tensor(read_item, target.live)
+                    # The reader copies the item into the live region, or into a ring slot
+                    # uploaded there by commit_tensor; the copy converts as TE's load does: any
+                    # float into FP32 is .float(), into BF16 it is .float().bfloat16() (c10
+                    # rounds through float, to nearest even).
+                    region = self.transform_tensor(read_item, target.live)
+                    slot = self._take_slot(read_item, region)
+                    self.stats["direct_items" if slot is None else "ring_items"] += 1
+                    return region if slot is None else slot
                 if target.buffer is None:
                     target.buffer = self._allocate(target.local_shape)
                 return self.transform_tensor(read_item, target.buffer)
             except Exception as exc:
                 raise self._failure(target, exc) from exc
+            finally:
+                self.stats["resolve_s"] += time.perf_counter() - start
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         target = self._targets.get(read_item.dest_index.fqn)
@@ -607,8 +792,14 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
             super().commit_tensor(read_item, tensor)
             return
         with self._lock:
+            start = time.perf_counter()
             try:
                 assert target.remaining is not None
+                pending = self._pending.pop(read_item, None)
+                if pending is not None:
+                    ring, slot, region = pending
+                    ring.upload(slot, region, tensor)
+                    self.stats["ring_bytes"] += region.numel() * region.element_size()
                 left = target.remaining - math.prod(read_item.lengths)
                 if left == 0 and target.buffer is not None:
                     _write_state(target.optimizer, target.param, target.name, target.buffer)
@@ -617,6 +808,37 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
                 target.remaining = left  # a failed write above leaves the state "partly written"
             except Exception as exc:
                 raise self._failure(target, exc) from exc
+            finally:
+                self.stats["commit_s"] += time.perf_counter() - start
+
+    def _take_slot(self, read_item: ReadItem, region: torch.Tensor) -> torch.Tensor | None:
+        """A ring slot the reader fills in place of the live ``region``; None: fill it directly."""
+        nbytes = region.numel() * region.element_size()
+        device = region.device
+        if device.type not in RING_DEVICE_TYPES or not 0 < nbytes <= self._slot_bytes:
+            return None
+        ring = self._rings.get(device)
+        if ring is None:
+            ring = self._rings[device] = _UploadRing(device, self._slot_bytes)
+            self.stats["ring_host_bytes"] += ring.nbytes
+        slot = ring.take(nbytes)
+        if slot is None:
+            return None  # a reader that resolves several items before it commits them
+        self._pending[read_item] = (ring, slot, region)
+        return ring.view(slot, tuple(region.shape), region.dtype)
+
+    def _close_rings(self) -> None:
+        """Waits for every upload and lets the rings go (the load's end, or an error path)."""
+        rings, self._rings = list(self._rings.values()), {}
+        self._pending.clear()
+        try:
+            for ring in rings:
+                try:
+                    ring.close()
+                finally:
+                    self.stats["wait_s"] += ring.wait_s
+        finally:
+            rings.clear()
 
     def _start(self, target: _Target) -> None:
         if not target.started:
@@ -657,15 +879,21 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         )
 
     def _failure(self, target: _Target, exc: BaseException) -> RuntimeError:
+        also = ""
+        try:
+            self._close_rings()  # no upload outlives the failed load
+        except Exception as close_exc:  # the failure at hand is the one to report
+            also = f"; waiting for the queued uploads failed too ({close_exc!r})"
         return RuntimeError(
             f"loading the optimizer checkpoint failed part-way, at {target.dcp_key} "
-            f"({type(exc).__name__}: {exc}). {self.progress}; the param_groups are the previous "
-            "ones. The optimizer mixes checkpoint and previous values: load the checkpoint "
-            "again (a complete load writes every state) or rebuild it before training"
+            f"({type(exc).__name__}: {exc}{also}). {self.progress}; the param_groups are the "
+            "previous ones. The optimizer mixes checkpoint and previous values: load the "
+            "checkpoint again (a complete load writes every state) or rebuild it before training"
         )
 
     def _finish(self, template: _StreamingTemplate) -> None:
         """``param_groups`` as ``set_optimizer_state_dict`` loads them, then the live states."""
+        self._close_rings()  # every upload has landed
         incomplete = [t.dcp_key for ld in template.loads for t in ld.targets if t.remaining != 0]
         if incomplete:
             raise RuntimeError(
