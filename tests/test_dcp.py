@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from torch.distributed.device_mesh import DeviceMesh
 
 from te_ckpt_placement import PassThroughStager, PlacedOptimizerState, export_placement
+from te_ckpt_placement.dcp.state import merge_part
 from te_ckpt_placement.engine import is_exported
 
 from .support.backends import CPU
@@ -249,6 +250,16 @@ def test_placed_optimizer_state_model_parts_round_trip(tmp_path: Path) -> None:
     clash = PlacedOptimizerState([parts[0], parts2[0]], [opts[0], opts2[0]])
     with pytest.raises(ValueError, match="same keys"):
         clash.state_dict()
+
+
+def test_merge_part_refuses_overlapping_keys_and_leaves_the_merge_as_it_was() -> None:
+    merged: dict[str, Any] = {}
+    merge_part(merged, {"state.a.exp_avg": 1, "param_groups.a.lr": 0.1})
+    merge_part(merged, {"state.b.exp_avg": 2})
+    assert merged == {"state.a.exp_avg": 1, "param_groups.a.lr": 0.1, "state.b.exp_avg": 2}
+    with pytest.raises(ValueError, match=r"same keys \['state.b.exp_avg'\]"):
+        merge_part(merged, {"state.b.exp_avg": 3, "state.c.exp_avg": 4})
+    assert merged == {"state.a.exp_avg": 1, "param_groups.a.lr": 0.1, "state.b.exp_avg": 2}
 
 
 # --- the 2-rank checks --------------------------------------------------------------------------
