@@ -78,18 +78,23 @@ def requirements_missing() -> str | None:
     return None
 
 
-def machine() -> dict[str, Any]:
-    import transformer_engine
-
+def driver_version() -> str:
+    """The NVIDIA driver's version as ``nvidia-smi`` reports it, or ``"unknown"``."""
     try:
-        driver = subprocess.run(
+        return subprocess.run(
             ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
             capture_output=True,
             text=True,
             check=True,
         ).stdout.split("\n")[0]
     except (OSError, subprocess.CalledProcessError):
-        driver = "unknown"
+        return "unknown"
+
+
+def machine() -> dict[str, Any]:
+    import transformer_engine
+
+    driver = driver_version()
     return {
         "gpu": torch.cuda.get_device_name(),
         "gpu_count": torch.cuda.device_count(),

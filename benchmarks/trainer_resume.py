@@ -947,6 +947,9 @@ def environment(device: str) -> dict[str, Any]:
     """Hardware and versions, for the results file."""
     from importlib.metadata import PackageNotFoundError, version
 
+    _ensure_root_on_path()
+    from benchmarks.export_memory import driver_version
+
     versions = {}
     for dist in ("torch", "transformers", "accelerate", "lightning", "transformer_engine"):
         try:
@@ -969,15 +972,7 @@ def environment(device: str) -> dict[str, Any]:
         info["gpu"] = torch.cuda.get_device_name(0)
         info["gpu_count"] = torch.cuda.device_count()
         info["cuda"] = torch.version.cuda
-        try:
-            info["driver"] = subprocess.run(
-                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout.split("\n")[0]
-        except (OSError, subprocess.CalledProcessError):
-            info["driver"] = "unknown"
+        info["driver"] = driver_version()
     return info
 
 
