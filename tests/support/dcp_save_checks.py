@@ -241,7 +241,10 @@ def te_load(case: Case, path: Path) -> Case:
     """``case``'s layout restored from ``path`` the way users without the policy do it."""
     te = case.fresh(seed=98)
     with export_placement(None):
-        state = {"model": get_model_state_dict(te.model), "optim": te.export(placement=None)}
+        state: dict[str, Any] = {
+            "model": get_model_state_dict(te.model),
+            "optim": te.export(placement=None),
+        }
         dcp.load(state, checkpoint_id=str(path))
         set_model_state_dict(te.model, state["model"])
         set_optimizer_state_dict(te.model, te.opt, state["optim"], options=FLAT)
@@ -322,7 +325,7 @@ def check_streaming_save(
             storage_writer=StreamingWriter(path),
         )
         fresh = case.fresh(seed=30 + i)
-        state = {
+        state: dict[str, Any] = {
             "model": get_model_state_dict(fresh.model),
             "optim": PlacedOptimizerState(fresh.model, fresh.opt, save="streaming"),
         }
@@ -483,7 +486,7 @@ def check_resharding(backend: Backend, mesh: DeviceMesh, async_pg: Any, root: Pa
         where = f"rank {r} reshard {kind}"
         # 2 -> 2 with the streaming adapter as the template, then full_state_dict.
         again = two.fresh(seed=92)
-        state = {
+        state: dict[str, Any] = {
             "model": get_model_state_dict(again.model),
             "optim": PlacedOptimizerState(again.model, again.opt, save="streaming"),
         }
