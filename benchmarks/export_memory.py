@@ -78,18 +78,23 @@ def requirements_missing() -> str | None:
     return None
 
 
-def machine() -> dict[str, Any]:
-    import transformer_engine
-
+def driver_version() -> str:
+    """The NVIDIA driver's version as ``nvidia-smi`` reports it, or ``"unknown"``."""
     try:
-        driver = subprocess.run(
+        return subprocess.run(
             ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
             capture_output=True,
             text=True,
             check=True,
         ).stdout.split("\n")[0]
     except (OSError, subprocess.CalledProcessError):
-        driver = "unknown"
+        return "unknown"
+
+
+def machine() -> dict[str, Any]:
+    import transformer_engine
+
+    driver = driver_version()
     return {
         "gpu": torch.cuda.get_device_name(),
         "gpu_count": torch.cuda.device_count(),
@@ -749,6 +754,40 @@ def cpu_machine() -> dict[str, Any]:
     }
 
 
+def plan_cases(sweep: str, ops: tuple[str, ...]) -> list[Case]:
+    """The sweep's cases with their ops narrowed to ``ops``; cases left with none are dropped."""
+    plan = [
+        (n, m, d, tuple(o for o in case_ops if o in ops), master)
+        for n, m, d, case_ops, master in cases(sweep)
+    ]
+    return [case for case in plan if case[3]]
+
+
+def prepare_host(cuda: bool, plan: list[Case]) -> dict[str, float]:
+    """Readies the host for the plan and measures its rates: on CUDA host memory touched once
+    for the largest case (:func:`warm_host`) and :func:`bandwidths`; on the CPU the stand-in
+    hooked and :func:`cpu_bandwidths`."""
+    if cuda:
+        warm_host(min(64 * G, 12 * max(n for n, *_ in plan)))
+        return bandwidths()
+    from te_ckpt_placement import te_hooks
+    from tests.support.standin import StandInFusedAdam
+
+    te_hooks.patch_class(StandInFusedAdam)  # the policy drives the stand-in, as TE once hooked
+    return cpu_bandwidths()
+
+
+def print_totals(records: list[dict[str, Any]]) -> None:
+    """How many report checks and load targets held over the run."""
+    checks = [ok for r in records for ok in r.get("report_checks", {}).values()]
+    if checks:
+        print(f"report checks hold in {sum(checks)} of {len(checks)}", flush=True)
+    loads = [r for r in records if r["op"] == "load" and r["mode"] == "placement_cpu"]
+    if loads:
+        met = sum(r["targets_met"] for r in loads)
+        print(f"load targets met in {met} of {len(loads)} cases", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -783,20 +822,8 @@ def main(argv: list[str] | None = None) -> int:
     for m in modes:
         if m not in MODES:
             parser.error(f"unknown mode {m!r}; valid: {', '.join(MODES)}")
-    plan = [
-        (n, m, d, tuple(o for o in case_ops if o in ops), master)
-        for n, m, d, case_ops, master in cases(sweep)
-    ]
-    plan = [case for case in plan if case[3]]
-    if cuda:
-        warm_host(min(64 * G, 12 * max(n for n, *_ in plan)))
-        bw = bandwidths()
-    else:
-        from te_ckpt_placement import te_hooks
-        from tests.support.standin import StandInFusedAdam
-
-        te_hooks.patch_class(StandInFusedAdam)  # the policy drives the stand-in, as TE once hooked
-        bw = cpu_bandwidths()
+    plan = plan_cases(sweep, ops)
+    bw = prepare_host(cuda, plan)
     print(
         "bandwidths (GB/s): " + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in bw.items()), flush=True
     )
@@ -821,13 +848,7 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-    checks = [ok for r in records for ok in r.get("report_checks", {}).values()]
-    if checks:
-        print(f"report checks hold in {sum(checks)} of {len(checks)}", flush=True)
-    loads = [r for r in records if r["op"] == "load" and r["mode"] == "placement_cpu"]
-    if loads:
-        met = sum(r["targets_met"] for r in loads)
-        print(f"load targets met in {met} of {len(loads)} cases", flush=True)
+    print_totals(records)
     save()
     if args.out is not None:
         print(f"wrote {args.out}")

@@ -20,6 +20,7 @@ import json
 import statistics
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +85,7 @@ def apply(variant: dict[str, Any], bits_decode: Callable[..., None]) -> None:
     engine._dequantize_e4m3 = bits_decode if variant["fp8_decode"] == "bits" else _legacy_e4m3
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--rounds", type=int, default=2)
@@ -102,105 +103,137 @@ def main() -> int:
     parser.add_argument(
         "--cases", default="1024:64:bf16,1024:16:bf16,1024:64:fp16,1024:64:fp8", help="N:M:moments"
     )
-    args = parser.parse_args()
-    missing = requirements_missing()
-    if missing:
-        print(f"This A/B needs a CUDA GPU and Transformer Engine: {missing}.", file=sys.stderr)
-        return 2
-    from te_ckpt_placement import engine, release_buffers
+    return parser.parse_args(argv)
 
-    bits_decode = engine._dequantize_e4m3
-    chunks = [int(c) for c in args.chunks.split(",")]
-    blocks: list[int | None] = [None, *(int(b) << 20 for b in args.blocks.split(",") if b)]
-    bw = bandwidths()
-    print({k: f"{v / 1e9:.1f} GB/s" for k, v in bw.items()}, flush=True)
-    records: list[dict[str, Any]] = []
 
-    def save() -> None:
-        if args.out is not None:
-            doc = {"machine": machine(), "bandwidths": bw, "records": records}
-            args.out.write_text(json.dumps(doc, indent=1) + "\n")
+@dataclass(frozen=True)
+class Case:
+    """One model size and storage mode, with its byte counts and time bounds."""
 
-    for case in args.cases.split(","):
-        n_mi, m_mi, moments = case.split(":")
+    moments: str
+    n_mi: int  # N and M, in Mi elements
+    m_mi: int
+    raw_bytes: int
+    output_bytes: int
+    bounds: dict[bool, float]  # T* of a first save (False) and of a repeated save (True)
+
+    @property
+    def label(self) -> str:
+        return f"{self.moments} N={self.n_mi}M M={self.m_mi}M"
+
+
+def record(
+    case: Case,
+    bw: dict[str, float],
+    mode: str,
+    round_: int,
+    result: dict[str, Any],
+    *,
+    repeat: bool,
+    variant: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One export's record: the case, the variant, the measured ``result`` and its bound."""
+    rec = {
+        "op": "export",
+        "mode": mode,
+        "moments": case.moments,
+        "n_elements": case.n_mi * MI,
+        "max_elements": case.m_mi * MI,
+        "raw_bytes": case.raw_bytes,
+        "output_bytes": case.output_bytes,
+        "round": round_,
+        **(variant or {}),
+        **result,
+        "repeat": repeat,
+        "bound_seconds": case.bounds[repeat],
+        "d2h_bytes_per_s": bw["d2h"],
+        "host_fresh_bytes_per_s": bw["fresh"],
+        "host_warm_bytes_per_s": bw["warm"],
+    }
+    rec["seconds_over_bound"] = rec["seconds"] / rec["bound_seconds"]
+    return rec
+
+
+def time_variant(model: Any, opt: Any, *, check: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A first save and a repeated save under the variant applied now; with ``check`` the first
+    export is verified bit for bit (after the timed region, before any number is kept)."""
+    first, result = timed(export_fn("placement_cpu", model, opt))
+    if check:
+        verify(first, model, opt)
+    del first
+    gc.collect()
+    reuse = export_fn("placement_cpu_reuse_buffers", model, opt)
+    reuse()  # fills the kept buffers (a first save of its own)
+    gc.collect()
+    _, repeat = timed(reuse)
+    gc.collect()
+    return result, repeat
+
+
+@dataclass
+class ABRun:
+    """One run's settings and records; ``save`` writes them to ``out`` (a run cut short keeps
+    what it measured)."""
+
+    bw: dict[str, float]
+    rounds: int
+    te_baseline: bool
+    chunks: list[int]
+    blocks: list[int | None]
+    bits_decode: Callable[..., None]  # the engine's own FP8 decode, restored by each variant
+    out: Path | None
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    def save(self) -> None:
+        if self.out is not None:
+            doc = {"machine": machine(), "bandwidths": self.bw, "records": self.records}
+            self.out.write_text(json.dumps(doc, indent=1) + "\n")
+
+    def run_case(self, spec: str) -> None:
+        """Every variant of one ``N:M:moments`` case over the rounds, saved after each."""
+        from te_ckpt_placement import release_buffers
+
+        bw = self.bw
+        n_mi, m_mi, moments = spec.split(":")
         model, opt = build(int(n_mi) * MI, int(m_mi) * MI, MOMENTS[moments])
         raw_bytes, out_bytes = state_bytes(opt)
         bounds = {
             False: max(raw_bytes / bw["d2h"], out_bytes / bw["fresh"]),
             True: max(raw_bytes / bw["d2h"], out_bytes / bw["warm"]),
         }
-        checked: set[int] = set()
-        if args.te_baseline:
-            result = measure("te_default_dcp_cpu_offload", model, opt)  # verified inside
-            rec = {
-                "op": "export",
-                "mode": "te_default_dcp_cpu_offload",
-                "moments": moments,
-                "n_elements": int(n_mi) * MI,
-                "max_elements": int(m_mi) * MI,
-                "raw_bytes": raw_bytes,
-                "output_bytes": out_bytes,
-                "round": 0,
-                **result,
-                "repeat": False,
-                "bound_seconds": bounds[False],
-                "d2h_bytes_per_s": bw["d2h"],
-                "host_fresh_bytes_per_s": bw["fresh"],
-                "host_warm_bytes_per_s": bw["warm"],
-            }
-            rec["seconds_over_bound"] = rec["seconds"] / rec["bound_seconds"]
-            records.append(rec)
-            print(f"{moments} N={n_mi}M M={m_mi}M TE + DCP cpu_offload {rec['seconds']:.3f} s")
+        case = Case(moments, int(n_mi), int(m_mi), raw_bytes, out_bytes, bounds)
+        if self.te_baseline:
+            mode = "te_default_dcp_cpu_offload"
+            rec = record(case, bw, mode, 0, measure(mode, model, opt), repeat=False)  # verified
+            self.records.append(rec)
+            print(f"{case.label} TE + DCP cpu_offload {rec['seconds']:.3f} s")
             gc.collect()
-        for round_ in range(args.rounds):
-            for i, variant in enumerate(variants(moments, chunks, blocks)):
-                apply(variant, bits_decode)
-                first, result = timed(export_fn("placement_cpu", model, opt))
-                if i not in checked:  # correctness before any number is kept
-                    verify(first, model, opt)
-                    checked.add(i)
-                del first
-                gc.collect()
-                reuse = export_fn("placement_cpu_reuse_buffers", model, opt)
-                reuse()  # fills the kept buffers (a first save of its own)
-                gc.collect()
-                _, repeat = timed(reuse)
-                gc.collect()
-                for is_repeat, res in ((False, result), (True, repeat)):
-                    rec = {
-                        "op": "export",
-                        "mode": "placement_cpu_reuse_buffers" if is_repeat else "placement_cpu",
-                        "moments": moments,
-                        "n_elements": int(n_mi) * MI,
-                        "max_elements": int(m_mi) * MI,
-                        "raw_bytes": raw_bytes,
-                        "output_bytes": out_bytes,
-                        "round": round_,
-                        **variant,
-                        **res,
-                        "repeat": is_repeat,
-                        "bound_seconds": bounds[is_repeat],
-                        "d2h_bytes_per_s": bw["d2h"],
-                        "host_fresh_bytes_per_s": bw["fresh"],
-                        "host_warm_bytes_per_s": bw["warm"],
-                    }
-                    rec["seconds_over_bound"] = rec["seconds"] / rec["bound_seconds"]
-                    records.append(rec)
+        checked: set[int] = set()
+        for round_ in range(self.rounds):
+            for i, variant in enumerate(variants(moments, self.chunks, self.blocks)):
+                apply(variant, self.bits_decode)
+                first, repeat = time_variant(model, opt, check=i not in checked)
+                checked.add(i)
+                for is_repeat, res in ((False, first), (True, repeat)):
+                    mode = "placement_cpu_reuse_buffers" if is_repeat else "placement_cpu"
+                    rec = record(case, bw, mode, round_, res, repeat=is_repeat, variant=variant)
+                    self.records.append(rec)
                     print(
-                        f"{moments} N={n_mi}M M={m_mi}M chunk={variant['chunk_mib']:>3}MiB "
+                        f"{case.label} chunk={variant['chunk_mib']:>3}MiB "
                         f"{variant['fp8_decode']:<6} block={block_label(variant)} "
                         f"{'repeat' if is_repeat else 'first '} r{round_} "
                         f"{rec['seconds']:.3f} s  {rec['seconds_over_bound']:.2f} x T*",
                         flush=True,
                     )
                 release_buffers()
-                save()
+                self.save()
         del model, opt
         gc.collect()
         torch.cuda.empty_cache()
-    apply(variants("bf16", [CHUNK_MIB], [])[0], bits_decode)
 
-    # The summary: median seconds over rounds per case, variant and first/repeat.
+
+def print_summary(records: list[dict[str, Any]]) -> None:
+    """The median seconds over rounds per case, variant and first/repeat."""
     groups: dict[tuple[Any, ...], list[float]] = {}
     for r in records:
         if r["mode"].startswith("te_"):
@@ -212,7 +245,32 @@ def main() -> int:
     for key, ratios in groups.items():
         spread = ", ".join(f"{x:.2f}" for x in ratios)
         print(*key, f"{statistics.median(ratios):.2f}  ({spread})")
-    save()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    missing = requirements_missing()
+    if missing:
+        print(f"This A/B needs a CUDA GPU and Transformer Engine: {missing}.", file=sys.stderr)
+        return 2
+    from te_ckpt_placement import engine
+
+    bw = bandwidths()
+    print({k: f"{v / 1e9:.1f} GB/s" for k, v in bw.items()}, flush=True)
+    run = ABRun(
+        bw,
+        rounds=args.rounds,
+        te_baseline=args.te_baseline,
+        chunks=[int(c) for c in args.chunks.split(",")],
+        blocks=[None, *(int(b) << 20 for b in args.blocks.split(",") if b)],
+        bits_decode=engine._dequantize_e4m3,
+        out=args.out,
+    )
+    for spec in args.cases.split(","):
+        run.run_case(spec)
+    apply(variants("bf16", [CHUNK_MIB], [])[0], run.bits_decode)
+    print_summary(run.records)
+    run.save()
     return 0
 
 

@@ -606,36 +606,40 @@ def _reset_accelerate(fsdp: bool) -> None:
         os.environ.pop("ACCELERATE_USE_FSDP", None)
 
 
+def _training_arguments(env: Env, variant: str, out: Path, max_steps: int, *, save: bool) -> Any:
+    """The ``TrainingArguments`` of a Transformers run (accelerate FSDP2 for ``fsdp2_*``)."""
+    from transformers import TrainingArguments
+
+    extra: dict[str, Any] = {}
+    if variant.startswith("fsdp2"):
+        extra["fsdp"] = True
+        extra["fsdp_config"] = {
+            "version": 2,
+            "state_dict_type": "FULL_STATE_DICT"
+            if variant == "fsdp2_full"
+            else "SHARDED_STATE_DICT",
+            "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+        }
+    return TrainingArguments(
+        output_dir=str(out),
+        max_steps=max_steps,
+        per_device_train_batch_size=2,
+        save_strategy="steps" if save else "no",
+        save_steps=max_steps,
+        report_to="none",
+        use_cpu=not env.cuda,
+        disable_tqdm=True,
+        logging_strategy="no",
+        dataloader_num_workers=0,
+        seed=0,
+        **extra,
+    )
+
+
 def run_transformers(env: Env, variant: str) -> None:
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer
 
     from te_ckpt_placement.integrations.hf import PlacementTrainer
-
-    def arguments(out: Path, max_steps: int, save: bool) -> Any:
-        extra: dict[str, Any] = {}
-        if variant.startswith("fsdp2"):
-            extra["fsdp"] = True
-            extra["fsdp_config"] = {
-                "version": 2,
-                "state_dict_type": "FULL_STATE_DICT"
-                if variant == "fsdp2_full"
-                else "SHARDED_STATE_DICT",
-                "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
-            }
-        return TrainingArguments(
-            output_dir=str(out),
-            max_steps=max_steps,
-            per_device_train_batch_size=2,
-            save_strategy="steps" if save else "no",
-            save_steps=max_steps,
-            report_to="none",
-            use_cpu=not env.cuda,
-            disable_tqdm=True,
-            logging_strategy="no",
-            dataloader_num_workers=0,
-            seed=0,
-            **extra,
-        )
 
     if variant.startswith("fsdp2") and not env.cuda:
         _accelerate_fsdp_on_cpu()
@@ -672,7 +676,7 @@ def run_transformers(env: Env, variant: str) -> None:
     _reset_accelerate(variant.startswith("fsdp2"))
     trainer = SaveMeasured(
         model=build_model(env, seed=0),
-        args=arguments(out, STEPS, save=True),
+        args=_training_arguments(env, variant, out, STEPS, save=True),
         train_dataset=data,
         optimizer_cls_and_kwargs=optimizer,
     )
@@ -688,7 +692,7 @@ def run_transformers(env: Env, variant: str) -> None:
         cls = PlainResume if mode == "te_default" else PlacedResume
         trainer = cls(
             model=build_model(env, seed=1),
-            args=arguments(out / mode, STEPS + 1, save=False),
+            args=_training_arguments(env, variant, out / mode, STEPS + 1, save=False),
             train_dataset=data,
             optimizer_cls_and_kwargs=optimizer,
         )
@@ -725,29 +729,86 @@ def _lightning_module(env: Env, seed: int) -> Any:
     return LlamaModule()
 
 
-def run_lightning(env: Env, variant: str) -> None:
+def _lightning_trainer(env: Env, max_steps: int, callbacks: list[Any], root: Path) -> Any:
     import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    return pl.Trainer(
+        accelerator="gpu" if env.cuda else "cpu",
+        devices=env.world,
+        strategy="ddp" if env.world > 1 else "auto",
+        precision="32-true",
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+        default_root_dir=root,
+        callbacks=callbacks,
+    )
+
+
+def _measure_lightning_resume(
+    env: Env, resuming: Any, *, placed: bool
+) -> tuple[dict[str, Window], list[Any]]:
+    """Wraps the resume's checkpoint read and restore of ``resuming`` in windows: they land in
+    the returned dict (``"read"``, ``"restore"``), the restored optimizer's fingerprint in the
+    list, once ``resuming.fit`` has run."""
+    connector = resuming._checkpoint_connector
+    resume_start, restore = connector.resume_start, connector.restore_training_state
+    windows: dict[str, Window] = {}
+    fps: list[Any] = []
+
+    def measured_start(*args: Any, **kwargs: Any) -> Any:
+        # The read should leave nothing on the GPU: expect_live=False.
+        with Window(env.cuda, diagnose=placed, expect_live=False) as window:
+            result = resume_start(*args, **kwargs)
+        windows["read"] = window
+        return result
+
+    def measured_restore() -> Any:
+        with Window(env.cuda, diagnose=placed) as window:
+            result = restore()
+        windows["restore"] = window
+        fps.append(fingerprint(resuming.strategy.optimizers[0]))
+        return result
+
+    connector.resume_start = measured_start
+    connector.restore_training_state = measured_restore
+    return windows, fps
+
+
+def _lightning_resume_result(env: Env, read: Window, restore: Window) -> dict[str, Any]:
+    """One resume's numbers from its read and restore windows: seconds added, peaks combined
+    (on the GPU, what the read left allocated counts during the restore)."""
+    result = dict(restore.result)
+    result["seconds"] += read.result["seconds"]
+    result["peak_extra_host_bytes"] = max(
+        read.result["peak_extra_host_bytes"], restore.result["peak_extra_host_bytes"]
+    )
+    if env.cuda:
+        held = read.after - read.base  # what the read left on the GPU until resume_end
+        during_read = read.peak - read.base
+        during_restore = held + restore.result["peak_extra_gpu_bytes"]
+        result["peak_extra_gpu_bytes"] = max(during_read, during_restore)
+        result["checkpoint_held_gpu_bytes"] = held
+        result["peak_extra_gpu_bytes_other_devices"] = max(
+            read.result["peak_extra_gpu_bytes_other_devices"],
+            restore.result["peak_extra_gpu_bytes_other_devices"],
+        )
+        if "peak_allocations" in read.result:
+            result["read_peak_allocations"] = read.result["peak_allocations"]
+    return result
+
+
+def run_lightning(env: Env, variant: str) -> None:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from te_ckpt_placement.integrations.lightning import PlacementCallback
 
-    def trainer(max_steps: int, callbacks: list[Any], root: Path) -> Any:
-        return pl.Trainer(
-            accelerator="gpu" if env.cuda else "cpu",
-            devices=env.world,
-            strategy="ddp" if env.world > 1 else "auto",
-            precision="32-true",
-            max_steps=max_steps,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
-            default_root_dir=root,
-            callbacks=callbacks,
-        )
-
     out = env.fresh_dir(f"lightning_{variant}")
-    saving = trainer(
+    saving = _lightning_trainer(
+        env,
         STEPS,
         [
             PlacementCallback(),
@@ -774,64 +835,14 @@ def run_lightning(env: Env, variant: str) -> None:
     env.barrier()
     checkpoint = out / f"step={STEPS}.ckpt"
     for mode in MODES:
-        callbacks = [PlacementCallback()] if mode == "placement_cpu" else []
-        resuming = trainer(STEPS + 1, callbacks, out / mode)
-        connector = resuming._checkpoint_connector
-        resume_start, restore = connector.resume_start, connector.restore_training_state
-        windows: dict[str, Window] = {}
-        fps: list[Any] = []
-
         placed = mode == "placement_cpu"
-
-        def measured_start(
-            *args: Any,
-            _start: Any = resume_start,
-            _windows: Any = windows,
-            _placed: bool = placed,
-            **kwargs: Any,
-        ) -> Any:
-            # The read should leave nothing on the GPU: expect_live=False.
-            with Window(env.cuda, diagnose=_placed, expect_live=False) as window:
-                result = _start(*args, **kwargs)
-            _windows["read"] = window
-            return result
-
-        def measured_restore(
-            _restore: Any = restore,
-            _trainer: Any = resuming,
-            _windows: Any = windows,
-            _fps: Any = fps,
-            _placed: bool = placed,
-        ) -> Any:
-            with Window(env.cuda, diagnose=_placed) as window:
-                result = _restore()
-            _windows["restore"] = window
-            _fps.append(fingerprint(_trainer.strategy.optimizers[0]))
-            return result
-
-        connector.resume_start = measured_start
-        connector.restore_training_state = measured_restore
+        callbacks = [PlacementCallback()] if placed else []
+        resuming = _lightning_trainer(env, STEPS + 1, callbacks, out / mode)
+        windows, fps = _measure_lightning_resume(env, resuming, placed=placed)
         resuming.fit(_lightning_module(env, seed=1), ckpt_path=str(checkpoint))
-        read, restore_window = windows["read"], windows["restore"]
-        result = dict(restore_window.result)
-        result["seconds"] += read.result["seconds"]
-        result["peak_extra_host_bytes"] = max(
-            read.result["peak_extra_host_bytes"], restore_window.result["peak_extra_host_bytes"]
-        )
-        if env.cuda:
-            held = read.after - read.base  # what the read left on the GPU until resume_end
-            during_read = read.peak - read.base
-            during_restore = held + restore_window.result["peak_extra_gpu_bytes"]
-            result["peak_extra_gpu_bytes"] = max(during_read, during_restore)
-            result["checkpoint_held_gpu_bytes"] = held
-            result["peak_extra_gpu_bytes_other_devices"] = max(
-                read.result["peak_extra_gpu_bytes_other_devices"],
-                restore_window.result["peak_extra_gpu_bytes_other_devices"],
-            )
-            if "peak_allocations" in read.result:
-                result["read_peak_allocations"] = read.result["peak_allocations"]
+        result = _lightning_resume_result(env, windows["read"], windows["restore"])
         run.resumed(mode, result, fps[0])
-        del resuming, windows, read, restore_window
+        del resuming, windows
         env.free()
     env.remove(out)
 
@@ -936,6 +947,9 @@ def environment(device: str) -> dict[str, Any]:
     """Hardware and versions, for the results file."""
     from importlib.metadata import PackageNotFoundError, version
 
+    _ensure_root_on_path()
+    from benchmarks.export_memory import driver_version
+
     versions = {}
     for dist in ("torch", "transformers", "accelerate", "lightning", "transformer_engine"):
         try:
@@ -958,15 +972,7 @@ def environment(device: str) -> dict[str, Any]:
         info["gpu"] = torch.cuda.get_device_name(0)
         info["gpu_count"] = torch.cuda.device_count()
         info["cuda"] = torch.version.cuda
-        try:
-            info["driver"] = subprocess.run(
-                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout.split("\n")[0]
-        except (OSError, subprocess.CalledProcessError):
-            info["driver"] = "unknown"
+        info["driver"] = driver_version()
     return info
 
 

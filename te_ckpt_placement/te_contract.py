@@ -38,6 +38,7 @@ __all__ = [
     "ContractError",
     "check_contract",
     "describe_state",
+    "has_contract",
     "is_remainder",
     "local_of",
     "stored_dtype",
@@ -85,6 +86,12 @@ def raise_contract(owner: str, missing: list[str]) -> None:
         "Nothing was exported. Use export_placement(None) to run TE's own export, or install a "
         "TE version that has these attributes."
     )
+
+
+def has_contract(optimizer: object) -> bool:
+    """True for an optimizer with TE FusedAdam's storage contract (TE's class or a stand-in that
+    keeps it): what the streaming export and load read is there."""
+    return not missing_attrs(optimizer, REQUIRED_INSTANCE_ATTRS)
 
 
 def check_contract(optimizer: object) -> None:

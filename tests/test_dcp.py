@@ -33,12 +33,20 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from torch.distributed.device_mesh import DeviceMesh
 
 from te_ckpt_placement import PassThroughStager, PlacedOptimizerState, export_placement
+from te_ckpt_placement.dcp.state import merge_part
 from te_ckpt_placement.engine import is_exported
 
 from .support.backends import CPU
 from .support.dcp_checks import ASYNC_SAVE_DEFAULTS, run_all_checks
 from .support.dcp_runs import FLAT, assert_all_on_cpu, assert_exports, resolve
-from .support.distributed import by_position, hyperparams, init_gloo_mesh, spawn
+from .support.distributed import (
+    GPU_BACKEND,
+    by_position,
+    hyperparams,
+    init_gloo_mesh,
+    init_group,
+    spawn,
+)
 from .support.helpers import assert_same_export, assert_snapshot_equal, tensors
 from .support.standin import StandInFusedAdam, make_optimizer, train
 
@@ -249,6 +257,35 @@ def test_placed_optimizer_state_model_parts_round_trip(tmp_path: Path) -> None:
     clash = PlacedOptimizerState([parts[0], parts2[0]], [opts[0], opts2[0]])
     with pytest.raises(ValueError, match="same keys"):
         clash.state_dict()
+
+
+def test_merge_part_refuses_overlapping_keys_and_leaves_the_merge_as_it_was() -> None:
+    merged: dict[str, Any] = {}
+    merge_part(merged, {"state.a.exp_avg": 1, "param_groups.a.lr": 0.1})
+    merge_part(merged, {"state.b.exp_avg": 2})
+    assert merged == {"state.a.exp_avg": 1, "param_groups.a.lr": 0.1, "state.b.exp_avg": 2}
+    with pytest.raises(ValueError, match=r"same keys \['state.b.exp_avg'\]"):
+        merge_part(merged, {"state.b.exp_avg": 3, "state.c.exp_avg": 4})
+    assert merged == {"state.a.exp_avg": 1, "param_groups.a.lr": 0.1, "state.b.exp_avg": 2}
+
+
+def _group_worker(rank: int, port: int) -> None:
+    init_group(rank, port, backend="cpu:gloo", timeout_s=60)  # GPU_BACKEND's CPU half
+    try:
+        assert (dist.get_rank(), dist.get_world_size()) == (rank, 2)
+        total = torch.tensor([rank + 1.0])
+        dist.all_reduce(total)
+        assert total.item() == 3.0, total
+    finally:
+        dist.destroy_process_group()
+
+
+def test_init_group_joins_both_ranks_with_a_device_backend_string() -> None:
+    # The GPU tests' group (init_gpu_rank): gloo for CPU tensors, NCCL for CUDA tensors.
+    from torch.distributed.distributed_c10d import BackendConfig
+
+    assert BackendConfig(GPU_BACKEND).get_device_backend_map() == {"cpu": "gloo", "cuda": "nccl"}
+    spawn(_group_worker)
 
 
 # --- the 2-rank checks --------------------------------------------------------------------------

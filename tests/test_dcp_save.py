@@ -42,7 +42,7 @@ from te_ckpt_placement.dcp.lazy_state import released_after_write
 
 from .support import dcp_save_checks as checks
 from .support.backends import CPU
-from .support.distributed import free_port, init_gloo_mesh
+from .support.distributed import init_gloo_mesh, spawn
 from .support.helpers import assert_same_export, bits, local, snapshot, tensors
 
 pytestmark = pytest.mark.usefixtures("hooked_standin")
@@ -467,9 +467,7 @@ def _worker(rank: int, port: int, root: str) -> None:
 
 
 def test_dcp_save_on_two_ranks(tmp_path: Path) -> None:
-    import torch.multiprocessing as mp
-
-    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn(_worker, str(tmp_path))
     for ckpt in ("streaming0_2_1", "snapshot1_2", "reshard_async", "failed", "stock_0"):
         assert (tmp_path / ckpt / ".metadata").is_file(), f"{ckpt}: no checkpoint"
 

@@ -197,6 +197,17 @@ def test_missing_te_attribute_names_version_and_attribute() -> None:
     assert "export_placement(None)" in message
 
 
+def test_has_contract_is_check_contracts_verdict() -> None:
+    opt = make_optimizer(model_params(torch.float32), moments=torch.bfloat16)
+    assert te_contract.has_contract(opt)
+    te_contract.check_contract(opt)
+    assert not te_contract.has_contract(torch.optim.Adam(model_params(torch.float32)))
+    del opt._scales
+    assert not te_contract.has_contract(opt)
+    with pytest.raises(te_contract.ContractError, match="_scales"):
+        te_contract.check_contract(opt)
+
+
 def test_materialize_copy_owns_storage_of_views() -> None:
     base = torch.arange(40, dtype=torch.float32)
     view = base[10:30].view(4, 5)

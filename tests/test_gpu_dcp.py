@@ -17,7 +17,6 @@ training) are checked against the real thing:
 
 from __future__ import annotations
 
-import datetime
 from pathlib import Path
 
 import pytest
@@ -32,20 +31,11 @@ def _worker(rank: int, port: int, root: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from te_ckpt_placement import install
-
     from .support.backends import CUDA
     from .support.dcp_checks import run_all_checks
+    from .support.distributed import init_gpu_rank
 
-    torch.cuda.set_device(rank)
-    dist.init_process_group(
-        "cpu:gloo,cuda:nccl",
-        rank=rank,
-        world_size=WORLD,
-        init_method=f"tcp://127.0.0.1:{port}",
-        timeout=datetime.timedelta(seconds=300),
-    )
-    install()
+    init_gpu_rank(rank, port, timeout_s=300)
     mesh = init_device_mesh("cuda", (WORLD,))
     # Async saves run their collectives in a background thread, on a group of their own.
     async_pg = dist.new_group(backend="gloo")
@@ -60,11 +50,9 @@ def _worker(rank: int, port: int, root: str) -> None:
 
 
 def test_dcp_with_te_on_two_gpus(tmp_path: Path) -> None:
-    import torch.multiprocessing as mp
+    from .support.distributed import spawn
 
-    from .support.distributed import free_port
-
-    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn(_worker, str(tmp_path))
     for ckpt in ("sync_fp8", "async/pass_through", "stateful/async", "reshard/one_to_two"):
         assert (tmp_path / ckpt / ".metadata").is_file(), f"{ckpt}: no checkpoint"
 

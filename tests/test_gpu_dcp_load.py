@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import datetime
 import gc
 import json
 import os
@@ -32,19 +31,9 @@ WORLD = 2
 
 
 def _init(rank: int, port: int) -> None:
-    import torch.distributed as dist
+    from .support.distributed import init_gpu_rank
 
-    from te_ckpt_placement import install
-
-    torch.cuda.set_device(rank)
-    dist.init_process_group(
-        "cpu:gloo,cuda:nccl",
-        rank=rank,
-        world_size=WORLD,
-        init_method=f"tcp://127.0.0.1:{port}",
-        timeout=datetime.timedelta(seconds=300),
-    )
-    install()
+    init_gpu_rank(rank, port, timeout_s=300)
     warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
 
 
@@ -70,11 +59,9 @@ def _checks_worker(rank: int, port: int, root: str) -> None:
 
 
 def test_streaming_load_checks_with_te_on_two_gpus(tmp_path: Path) -> None:
-    import torch.multiprocessing as mp
+    from .support.distributed import spawn
 
-    from .support.distributed import free_port
-
-    mp.spawn(_checks_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn(_checks_worker, str(tmp_path))
     for ckpt in ("reshard/one_to_two", "full_state_dict"):
         assert (tmp_path / ckpt / ".metadata").is_file(), f"{ckpt}: no checkpoint"
 
@@ -158,9 +145,7 @@ def _bounds_worker(rank: int, port: int, root: str, results: str | None) -> None
 
 
 def test_streaming_load_bounds_on_two_gpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import torch.multiprocessing as mp
-
-    from .support.distributed import free_port
+    from .support.distributed import spawn
 
     # glibc serves allocations under its (growing) mmap threshold from a heap it keeps after
     # free, so a later mode's RSS would not grow for memory an earlier mode freed. A fixed low
@@ -168,7 +153,7 @@ def test_streaming_load_bounds_on_two_gpus(tmp_path: Path, monkeypatch: pytest.M
     # memory, for each mode alike (the spawned ranks read it at start-up).
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(64 << 10))
     results = os.environ.get("TE_CKPT_LOAD_RESULTS")
-    mp.spawn(_bounds_worker, args=(free_port(), str(tmp_path), results), nprocs=WORLD, join=True)
+    spawn(_bounds_worker, str(tmp_path), results)
     if results:
         from benchmarks.export_memory import machine
 

@@ -15,7 +15,6 @@ checks them:
 
 from __future__ import annotations
 
-import datetime
 from pathlib import Path
 
 import pytest
@@ -32,20 +31,11 @@ def _worker(rank: int, port: int, root: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from te_ckpt_placement import install
-
     from .support import dcp_save_checks as checks
     from .support.backends import CUDA
+    from .support.distributed import init_gpu_rank
 
-    torch.cuda.set_device(rank)
-    dist.init_process_group(
-        "cpu:gloo,cuda:nccl",
-        rank=rank,
-        world_size=WORLD,
-        init_method=f"tcp://127.0.0.1:{port}",
-        timeout=datetime.timedelta(seconds=600),
-    )
-    install()
+    init_gpu_rank(rank, port, timeout_s=600)
     backend = CUDA
     mesh = init_device_mesh("cuda", (WORLD,))
     # Async saves run their collectives in a background thread, on groups of their own.
@@ -69,10 +59,8 @@ def _worker(rank: int, port: int, root: str) -> None:
 
 
 def test_dcp_save_with_te_on_two_gpus(tmp_path: Path) -> None:
-    import torch.multiprocessing as mp
+    from .support.distributed import spawn
 
-    from .support.distributed import free_port
-
-    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn(_worker, str(tmp_path))
     for ckpt in ("streaming0_2_0", "more/streaming2_2_1", "snapshot2_1", "reshard_async"):
         assert (tmp_path / ckpt / ".metadata").is_file(), f"{ckpt}: no checkpoint"

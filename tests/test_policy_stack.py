@@ -11,7 +11,7 @@ import gc
 import itertools
 import sys
 import types
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator
 from typing import Any
 
 import pytest
@@ -246,7 +246,7 @@ def test_raising_on_enter_hook_leaves_nothing_pushed(
     in_fresh_context(scenario)
 
 
-def leaky(placement: str | None) -> Iterator[str | None]:
+def leaky(placement: str | None) -> Generator[str | None, None, None]:
     """The pattern the advice forbids: a policy held across yields."""
     with export_placement(placement):
         yield device()

@@ -39,7 +39,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from .. import engine
 from ..policy import Placement, as_placement, export_placement
-from ..te_contract import REQUIRED_INSTANCE_ATTRS, check_contract, describe_state, local_of
+from ..te_contract import check_contract, describe_state, has_contract, local_of
 
 __all__ = [
     "LazyState",
@@ -457,11 +457,6 @@ class _Describing(torch.optim.Optimizer):
         return _lazy_optimizer_state_dict(self.optimizer, self.placement, self.ledger)
 
 
-def is_streamable(optimizer: object) -> bool:
-    """True for optimizers with TE FusedAdam's storage contract (TE's class or the stand-in)."""
-    return all(hasattr(optimizer, name) for name in REQUIRED_INSTANCE_ATTRS)
-
-
 def lazy_optimizer_state_dict(
     model: torch.nn.Module,
     optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
@@ -524,7 +519,7 @@ def lazy_optimizer_state_dict(
     optims = (optimizers,) if isinstance(optimizers, torch.optim.Optimizer) else tuple(optimizers)
     ledger = _Ledger()
     stand_ins = tuple(
-        _Describing(opt, resolved, ledger) if is_streamable(opt) else opt for opt in optims
+        _Describing(opt, resolved, ledger) if has_contract(opt) else opt for opt in optims
     )
     with export_placement(resolved):
         return get_optimizer_state_dict(model, stand_ins, options=options)

@@ -6,7 +6,7 @@ Uses only APIs that torch 2.11 (the GPU machine's version) and 2.13 share.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -35,6 +35,22 @@ def _as_list(value: Any, kind: type, what: str, hint: str) -> list[Any]:
     if not items or not all(isinstance(item, kind) for item in items):
         raise ValueError(f"unsupported {what} {value!r}: valid values are {hint}")
     return items
+
+
+def merge_part(merged: dict[str, Any], part: Mapping[str, Any]) -> None:
+    """Adds one model part's flattened optimizer state dict to ``merged``.
+
+    Raises:
+        ValueError: the part exports a key ``merged`` already has (the parts' FQNs overlap);
+            ``merged`` is left as it was.
+    """
+    overlap = merged.keys() & part.keys()
+    if overlap:
+        raise ValueError(
+            f"model parts export the same keys {sorted(overlap)[:3]}: give each part distinct "
+            "parameter names"
+        )
+    merged.update(part)
 
 
 class PlacedOptimizerState(Stateful):
@@ -193,13 +209,7 @@ class PlacedOptimizerState(Stateful):
             )
         merged: StateDict = {}
         for part in parts:
-            overlap = merged.keys() & part.keys()
-            if overlap:
-                raise ValueError(
-                    f"model parts export the same keys {sorted(overlap)[:3]}: give each part "
-                    "distinct parameter names"
-                )
-            merged.update(part)
+            merge_part(merged, part)
         return merged
 
     def load_state_dict(self, state_dict: StateDict) -> None:

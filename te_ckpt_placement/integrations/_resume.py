@@ -156,16 +156,13 @@ def initialized(optimizers: Iterable[Any]) -> Iterator[None]:
     """
     with contextlib.ExitStack() as stack:
         if streaming():
-            from ..te_contract import ContractError, check_contract
+            from ..te_contract import has_contract
             from ..te_load import initialized_for_load
 
             for optimizer in optimizers:
                 inner = _unwrap(optimizer)
-                try:
-                    check_contract(inner)
-                except ContractError:
-                    continue
-                stack.enter_context(initialized_for_load(inner))
+                if has_contract(inner):
+                    stack.enter_context(initialized_for_load(inner))
         yield
 
 

@@ -241,7 +241,10 @@ def te_load(case: Case, path: Path) -> Case:
     """``case``'s layout restored from ``path`` the way users without the policy do it."""
     te = case.fresh(seed=98)
     with export_placement(None):
-        state = {"model": get_model_state_dict(te.model), "optim": te.export(placement=None)}
+        state: dict[str, Any] = {
+            "model": get_model_state_dict(te.model),
+            "optim": te.export(placement=None),
+        }
         dcp.load(state, checkpoint_id=str(path))
         set_model_state_dict(te.model, state["model"])
         set_optimizer_state_dict(te.model, te.opt, state["optim"], options=FLAT)
@@ -322,7 +325,7 @@ def check_streaming_save(
             storage_writer=StreamingWriter(path),
         )
         fresh = case.fresh(seed=30 + i)
-        state = {
+        state: dict[str, Any] = {
             "model": get_model_state_dict(fresh.model),
             "optim": PlacedOptimizerState(fresh.model, fresh.opt, save="streaming"),
         }
@@ -483,13 +486,13 @@ def check_resharding(backend: Backend, mesh: DeviceMesh, async_pg: Any, root: Pa
         where = f"rank {r} reshard {kind}"
         # 2 -> 2 with the streaming adapter as the template, then full_state_dict.
         again = two.fresh(seed=92)
-        state = {
+        state: dict[str, Any] = {
             "model": get_model_state_dict(again.model),
             "optim": PlacedOptimizerState(again.model, again.opt, save="streaming"),
         }
         dcp.load(state, checkpoint_id=str(path))
         set_model_state_dict(again.model, state["model"])
-        _assert_full(again.full(), saved_full, where)
+        distributed.assert_same_full(again.full(), saved_full, where)
         assert_same_export(again.export(full_options), saved_full_sd, f"{where}: full_state_dict")
         # 2 -> 1.
         if r == 0:
@@ -505,7 +508,7 @@ def check_resharding(backend: Backend, mesh: DeviceMesh, async_pg: Any, root: Pa
                 else:
                     dcp.load(state, checkpoint_id=str(path), process_group=solo)
                 set_model_state_dict(one.model, state["model"])
-                _assert_full(one.full(), saved_full, f"{where} 2->1 {label}")
+                distributed.assert_same_full(one.full(), saved_full, f"{where} 2->1 {label}")
     # 1 -> 2: a streamed checkpoint written by a 1-rank group.
     path = root / "reshard_one_to_two"
     payload: list[Any] = [None]
@@ -526,16 +529,7 @@ def check_resharding(backend: Backend, mesh: DeviceMesh, async_pg: Any, root: Pa
     }
     dcp.load(state, checkpoint_id=str(path))
     set_model_state_dict(target.model, state["model"])
-    _assert_full(target.full(), payload[0], f"rank {r} reshard 1->2")
-
-
-def _assert_full(ours: dict[str, Any], ref: dict[str, Any], where: str) -> None:
-    assert ours.keys() == ref.keys(), f"{where}: keys {sorted(ours.keys() ^ ref.keys())}"
-    for key, value in ref.items():
-        if isinstance(value, torch.Tensor):
-            assert torch.equal(ours[key], value), f"{where}: {key} differs"
-        else:
-            assert ours[key] == value, f"{where}: {key}: {ours[key]!r} != {value!r}"
+    distributed.assert_same_full(target.full(), payload[0], f"rank {r} reshard 1->2")
 
 
 # --- failures ----------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Process groups, sharded models and global comparisons for the 2-rank tests.
 
-``spawn`` starts 2 ranks, ``init_gloo_mesh`` gives a CPU rank its gloo mesh with the stand-in
-hooked; the GPU tests set up their own ``cpu:gloo,cuda:nccl`` groups. The other helpers work on
-any mesh.
+``spawn`` starts 2 ranks; ``init_gloo_mesh`` gives a CPU rank its gloo mesh with the stand-in
+hooked, ``init_gpu_rank`` a GPU rank its ``cpu:gloo,cuda:nccl`` group with TE hooked; both join the
+group through ``init_group``. The other helpers work on any mesh.
 """
 
 from __future__ import annotations
@@ -39,17 +39,35 @@ def spawn(worker: Callable[..., None], *args: Any) -> None:
     mp.spawn(worker, args=(free_port(), *args), nprocs=WORLD, join=True)
 
 
-def init_gloo_mesh(rank: int, port: int, timeout_s: float = 120) -> DeviceMesh:
-    """This rank's 2-rank gloo group and CPU mesh, with the stand-in hooked like TE's class."""
+# The GPU tests' default group: NCCL for CUDA tensors, and gloo for CPU tensors, which
+# dcp.async_save's collectives and the host-side object collectives need.
+GPU_BACKEND = "cpu:gloo,cuda:nccl"
+
+
+def init_group(rank: int, port: int, *, backend: str, timeout_s: float) -> None:
+    """Joins this rank to the 2-rank default process group, rendezvous on ``port`` of this host."""
     dist.init_process_group(
-        "gloo",
+        backend,
         rank=rank,
         world_size=WORLD,
         init_method=f"tcp://127.0.0.1:{port}",
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+
+
+def init_gloo_mesh(rank: int, port: int, timeout_s: float = 120) -> DeviceMesh:
+    """This rank's 2-rank gloo group and CPU mesh, with the stand-in hooked like TE's class."""
+    init_group(rank, port, backend="gloo", timeout_s=timeout_s)
     te_hooks.patch_class(StandInFusedAdam)
     return init_device_mesh("cpu", (WORLD,))
+
+
+def init_gpu_rank(rank: int, port: int, *, timeout_s: float = 300) -> None:
+    """A GPU test's rank: GPU ``rank`` current, the 2-rank :data:`GPU_BACKEND` group, and TE's
+    FusedAdam hooked (``install``, which imports TE)."""
+    torch.cuda.set_device(rank)
+    init_group(rank, port, backend=GPU_BACKEND, timeout_s=timeout_s)
+    te_hooks.install()
 
 
 # --- models and training ------------------------------------------------------------------------
