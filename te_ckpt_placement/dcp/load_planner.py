@@ -587,6 +587,8 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
     # --- the template (PlacedOptimizerState.state_dict) ------------------------------------
     def template_for(self, state: PlacedOptimizerState) -> dict[str, Any] | None:
         """The streaming template of ``state``, or None (warned) for the template path."""
+        from .state import merge_part  # state imports this module
+
         pairs = [(model, optim) for model, optims in state._pairs for optim in optims]
         template = _StreamingTemplate()
         loads = []
@@ -596,13 +598,7 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
                 # On a fresh optimizer this gives it TE's initial states (what the template
                 # path's fake step would leave) before any check of its shards can refuse it.
                 part, load = _build_load(self, state, model, optim, info)
-                overlap = template.keys() & part.keys()
-                if overlap:
-                    raise ValueError(
-                        f"model parts export the same keys {sorted(overlap)[:3]}: give each "
-                        "part distinct parameter names"
-                    )
-                template.update(part)
+                merge_part(template, part)
                 loads.append(load)
         except _CannotStreamError as exc:
             reason = str(exc)

@@ -209,7 +209,7 @@ def _is_te(inner: Any) -> bool:
     return (
         inner is not None
         and hasattr(inner, "get_unscaled_state")
-        and not te_contract.missing_attrs(inner, te_contract.REQUIRED_INSTANCE_ATTRS)
+        and te_contract.has_contract(inner)
     )
 
 
