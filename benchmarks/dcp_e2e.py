@@ -665,6 +665,38 @@ def run_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
             keep("dcp_async_save", mode, result, **extra)
             cleanup(path)
 
+    def timed_load(mode: str, path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        """One measured ``dcp.load`` of the model and optimizer at ``path`` in ``mode``."""
+        train_step(model, opt, hidden)  # the load has to undo this step
+        assert fingerprint(model, opt).keys() == before.keys()
+        result: dict[str, Any] = {}
+        extra: dict[str, Any] = {}
+        with _measured(result):
+            if mode == "placement_cpu_streaming":
+                extra = streaming_load(model, opt, path)
+            else:
+                policy = (
+                    export_placement("cpu") if mode == "placement_cpu" else contextlib.nullcontext()
+                )
+                with policy:
+                    t0 = time.perf_counter()
+                    state = {
+                        "model": get_model_state_dict(model),
+                        "optim": get_optimizer_state_dict(model, opt, options=placed),
+                    }
+                    t1 = time.perf_counter()
+                    dcp.load(state, checkpoint_id=path)
+                    t2 = time.perf_counter()
+                    set_model_state_dict(model, state["model"])
+                    set_optimizer_state_dict(model, opt, state["optim"], options=placed)
+                    t3 = time.perf_counter()
+                del state
+                extra = {
+                    "split_s": {"template": t1 - t0, "dcp_load": t2 - t1, "set": t3 - t2},
+                    "torch_threads": torch.get_num_threads(),
+                }
+        return result, extra
+
     if "dcp_load" in ops:
         path = checkpoint_dir("load_source")
         with export_placement("cpu"):
@@ -676,46 +708,23 @@ def run_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
         load_modes = modes("dcp_load")
         if args.moments not in ("bf16", "fp32") and "te_default" not in load_modes:
             load_modes.insert(0, "te_default")  # the reference of FP16/FP8 loads
-        for mode in load_modes:  # te_default first: the reference of FP16/FP8 loads
-            train_step(model, opt, hidden)  # the load has to undo this step
-            assert fingerprint(model, opt).keys() == before.keys()
-            result = {}
-            extra = {}
-            with _measured(result):
-                if mode == "placement_cpu_streaming":
-                    extra = streaming_load(model, opt, path)
-                else:
-                    policy = (
-                        export_placement("cpu")
-                        if mode == "placement_cpu"
-                        else contextlib.nullcontext()
+        for round_ in range(args.load_rounds):
+            # te_default first in round 0: the reference of FP16/FP8 loads. Later rounds
+            # alternate the order, so neither mode always reads the checkpoint first.
+            order = load_modes if round_ % 2 == 0 else load_modes[::-1]
+            for mode in order:
+                result, extra = timed_load(mode, path)
+                loaded[mode] = fingerprint(model, opt)
+                # BF16/FP32 states load back exactly as saved. FP16/FP8 ones are rescaled by
+                # TE's own load, so for them the policy's load must equal TE's load instead.
+                expected = before if args.moments in ("bf16", "fp32") else loaded["te_default"]
+                for key, value in expected.items():
+                    got = loaded[mode][key]
+                    same = (
+                        torch.equal(got, value) if isinstance(value, torch.Tensor) else got == value
                     )
-                    with policy:
-                        t0 = time.perf_counter()
-                        state = {
-                            "model": get_model_state_dict(model),
-                            "optim": get_optimizer_state_dict(model, opt, options=placed),
-                        }
-                        t1 = time.perf_counter()
-                        dcp.load(state, checkpoint_id=path)
-                        t2 = time.perf_counter()
-                        set_model_state_dict(model, state["model"])
-                        set_optimizer_state_dict(model, opt, state["optim"], options=placed)
-                        t3 = time.perf_counter()
-                    del state
-                    extra = {
-                        "split_s": {"template": t1 - t0, "dcp_load": t2 - t1, "set": t3 - t2},
-                        "torch_threads": torch.get_num_threads(),
-                    }
-            loaded[mode] = fingerprint(model, opt)
-            # BF16/FP32 states load back exactly as saved. FP16/FP8 ones are rescaled by TE's
-            # own load, so for them the policy's load must equal TE's load instead.
-            expected = before if args.moments in ("bf16", "fp32") else loaded["te_default"]
-            for key, value in expected.items():
-                got = loaded[mode][key]
-                same = torch.equal(got, value) if isinstance(value, torch.Tensor) else got == value
-                assert same, f"dcp_load {mode}: {key} differs from the expected state"
-            keep("dcp_load", mode, result, **extra)
+                    assert same, f"dcp_load {mode}: {key} differs from the expected state"
+                keep("dcp_load", mode, result, round=round_, **extra)
         cleanup(path)
 
     if "full_state_dict" in ops:
@@ -850,6 +859,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="raw-snapshot async saves in a row (the first allocates the buffers; default 3)",
     )
     parser.add_argument(
+        "--load-rounds",
+        type=int,
+        default=1,
+        help="rounds of dcp_load's modes (default 1); odd rounds run the modes in reverse order",
+    )
+    parser.add_argument(
         "--cpu-smoke",
         action="store_true",
         help="run every op on 2 gloo CPU ranks with the CPU stand-in of TE (checks only; the "
@@ -866,6 +881,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--writer-threads {args.writer_threads}: valid values are >= 1")
     if args.snapshot_saves < 1:
         parser.error(f"--snapshot-saves {args.snapshot_saves}: valid values are >= 1")
+    if args.load_rounds < 1:
+        parser.error(f"--load-rounds {args.load_rounds}: valid values are >= 1")
     if args.cpu_smoke and "--size" not in argv:
         args.size = "smoke"
     return args

@@ -257,9 +257,9 @@ SECTIONS: list[tuple[str, str, str, str]] = [
         "h200x2_load.json",
         "generic:moments,master,n_elements,max_elements,mode,peak_extra_gpu_bytes,"
         "peak_extra_host_bytes,seconds,bound_seconds,seconds_over_bound,te_seconds,speedup_vs_te",
-        "`benchmarks/export_memory.py --sweep load_1g`: `load_state_dict` of a host checkpoint "
+        "`benchmarks/export_memory.py --sweep load`: `load_state_dict` of a host checkpoint "
         "(FP32 states, int16 remainders) into a trained TE FusedAdam, under the policy "
-        "(`placement_cpu`) and TE's own (`te_default`); best of two runs. T*_load = max(R / "
+        "(`placement_cpu`, best of two runs) and TE's own (`te_default`, one run). T*_load = max(R / "
         "B_h2d, I / B_host_read), with R the bytes written to the GPU, I the checkpoint bytes "
         "read, and both bandwidths measured in the same run (`h2d`, `host_read` in the JSON). "
         "The host peak is the kernel's RSS high-water mark, reset before the load. Every load "
@@ -276,6 +276,17 @@ SECTIONS: list[tuple[str, str, str, str]] = [
         "RSS with glibc's mmap threshold fixed at 64 KiB, so freed buffers leave RSS.",
     ),
     (
+        "DCP streaming load: speed",
+        "h200x2_dcp_load_speed.json",
+        "generic:op,mode,rank,n_elements,max_elements,peak_extra_gpu_bytes,peak_extra_host_bytes,"
+        "seconds",
+        "`benchmarks/dcp_e2e.py --size medium --ops dcp_load` (FSDP2 on 2 GPUs, 8 BF16 "
+        "Linear(8192, 8192), int16 remainders): `dcp.load` of the optimizer with TE's template "
+        "(`te_default`) and with `StreamingLoadPlanner` (`placement_cpu_streaming`), one run "
+        "each, from the same checkpoint. The records carry where the time went (`split_s`, "
+        "`load_stats`).",
+    ),
+    (
         "DCP save and load paths",
         "h200x2_dcp_paths.json",
         "generic:op,mode,rank,save_index,n_elements,max_elements,peak_extra_gpu_bytes,"
@@ -284,11 +295,9 @@ SECTIONS: list[tuple[str, str, str, str]] = [
         "remainders): the streaming save (`placement_cpu_streaming`, `StreamingWriter`, one "
         "writer thread), the raw-snapshot async save (`placement_cpu_snapshot`, three saves in a "
         "row; `blocked_over_bound` is the time `dcp.async_save` blocked over (R_optimizer + "
-        "R_model) / B_d2h, with B_d2h measured in the run) and the streaming load next to TE's "
-        "and the plain policy's. The snapshot rows' GPU peak includes the training step taken "
-        "while each write runs. The run stopped at its time limit during the last `dcp_load` "
-        "mode (the policy's template path), so that row is missing; every row here was checked "
-        "bit for bit before it was kept.",
+        "R_model) / B_d2h, with B_d2h measured in the run). The snapshot rows' GPU peak includes the training step taken "
+        "while each write runs. Every row here was checked bit for bit before it was kept; the "
+        "run's loads are superseded by the section above.",
     ),
     (
         "Megatron-Core checkpoints",
