@@ -278,13 +278,13 @@ SECTIONS: list[tuple[str, str, str, str]] = [
     (
         "DCP streaming load: speed",
         "h200x2_dcp_load_speed.json",
-        "generic:op,mode,rank,n_elements,max_elements,peak_extra_gpu_bytes,peak_extra_host_bytes,"
-        "seconds",
-        "`benchmarks/dcp_e2e.py --size medium --ops dcp_load` (FSDP2 on 2 GPUs, 8 BF16 "
-        "Linear(8192, 8192), int16 remainders): `dcp.load` of the optimizer with TE's template "
-        "(`te_default`) and with `StreamingLoadPlanner` (`placement_cpu_streaming`), one run "
-        "each, from the same checkpoint. The records carry where the time went (`split_s`, "
-        "`load_stats`).",
+        "generic:op,round,mode,rank,n_elements,max_elements,peak_extra_gpu_bytes,"
+        "peak_extra_host_bytes,seconds",
+        "`benchmarks/dcp_e2e.py --size medium --ops dcp_load --load-rounds 4` (FSDP2 on 2 GPUs, 8 "
+        "BF16 Linear(8192, 8192), int16 remainders): `dcp.load` of the optimizer with TE's "
+        "template (`te_default`) and with `StreamingLoadPlanner` (`placement_cpu_streaming`) "
+        "from the same checkpoint, four rounds with the modes' order alternating. The records "
+        "carry where the time went (`split_s`, `load_stats`).",
     ),
     (
         "DCP save and load paths",
