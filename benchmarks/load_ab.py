@@ -1,0 +1,161 @@
+"""A/B of the streaming load's staging chunk and host thread count against T*_load.
+
+The load pipeline (``te_ckpt_placement.upload``) converts each chunk of the checkpoint on the
+host into a pinned staging buffer of ``engine.CHUNK_BYTES`` while the previous chunk is copied to
+the GPU. This times ``load_state_dict`` under ``export_placement("cpu")`` of one host checkpoint
+with each staging chunk size and torch thread count, in interleaved rounds, and checks every
+load bit for bit against TE's own load of the same checkpoint. T*_load = max(R / B_h2d,
+I / B_host_read) with both bandwidths measured in the same run (``export_memory.bandwidths``).
+
+Usage (from the repository root; GPU and TE required, or ``--device cpu`` on the stand-in):
+    python benchmarks/load_ab.py --out FILE.json [--sizes 0.5,1] [--chunks 16,64] [--threads 0,16]
+
+A thread count of 0 keeps torch's default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import export_memory as em
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--sizes", default="0.5,1", help="N in G local elements, comma-separated")
+    parser.add_argument("--chunks", default="16,64", help="staging chunk sizes in MiB")
+    parser.add_argument("--threads", default="0,16", help="torch threads (0: torch's default)")
+    parser.add_argument("--moments", choices=tuple(em.MOMENTS), default="bf16")
+    parser.add_argument("--master", choices=em.MASTERS, default="remainder")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: valid values are >= 1")
+    return args
+
+
+def variants(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """(chunk MiB, threads) pairs, in the order each round runs them."""
+    chunks = [int(c) for c in args.chunks.split(",") if c]
+    threads = [int(t) for t in args.threads.split(",") if t]
+    if not chunks or min(chunks) < 1 or not threads or min(threads) < 0:
+        raise SystemExit("--chunks: MiB >= 1; --threads: >= 0 (0: torch's default)")
+    return [(c, t) for c in chunks for t in threads]
+
+
+def measure_size(
+    n: int, args: argparse.Namespace, bw: dict[str, float], cuda: bool
+) -> list[dict[str, Any]]:
+    """Every variant's loads of one host checkpoint of N = ``n``, checked against TE's load."""
+    from te_ckpt_placement import engine, export_placement
+
+    m = min(64 * em.MI, n // 8)
+    _, opt = em.build(n, m, em.MOMENTS[args.moments], master=args.master, device=args.device)
+    with export_placement("cpu"):
+        checkpoint = opt.state_dict()
+    read_bytes = em.checkpoint_bytes(checkpoint)
+    written, _ = em.state_bytes(opt)
+    bound = max(written / bw["h2d"], read_bytes / bw["host_read"])
+    with export_placement(None):
+        _, te = em.timed(lambda: opt.load_state_dict(checkpoint), host="high_water", cuda=cuda)
+    reference = em.live_snapshot(opt)
+    default_threads, default_chunk = torch.get_num_threads(), engine.CHUNK_BYTES
+    records = []
+    try:
+        for round_ in range(args.rounds):
+            for chunk_mib, threads in variants(args):
+                engine.CHUNK_BYTES = chunk_mib * em.MI
+                torch.set_num_threads(threads or default_threads)
+                with export_placement("cpu"):
+                    _, result = em.timed(
+                        lambda: opt.load_state_dict(checkpoint), host="high_water", cuda=cuda
+                    )
+                assert em.same_bits(em.live_snapshot(opt), reference), "differs from TE's load"
+                records.append(
+                    {
+                        "op": "load",
+                        "mode": "placement_cpu",
+                        "moments": args.moments,
+                        "master": args.master,
+                        "n_elements": n,
+                        "max_elements": m,
+                        "round": round_,
+                        "chunk_mib": chunk_mib,
+                        "torch_threads": torch.get_num_threads(),
+                        "read_bytes": read_bytes,
+                        "written_bytes": written,
+                        "bound_seconds": bound,
+                        "te_seconds": te["seconds"],
+                        **result,
+                        "seconds_over_bound": result["seconds"] / bound,
+                    }
+                )
+                r = records[-1]
+                print(
+                    f"N={n / em.G:.2f}G round {round_} chunk {chunk_mib:4d} MiB threads "
+                    f"{r['torch_threads']:3d}: {r['seconds']:.3f} s = "
+                    f"{r['seconds_over_bound']:.2f} x T* ({bound:.3f} s)",
+                    flush=True,
+                )
+    finally:
+        engine.CHUNK_BYTES = default_chunk
+        torch.set_num_threads(default_threads)
+    return records
+
+
+def summary(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (N, chunk, threads): best and median time over the bound."""
+    groups: dict[tuple[int, int, int], list[float]] = {}
+    for r in records:
+        key = (r["n_elements"], r["chunk_mib"], r["torch_threads"])
+        groups.setdefault(key, []).append(r["seconds_over_bound"])
+    return [
+        {
+            "n_elements": n,
+            "chunk_mib": c,
+            "torch_threads": t,
+            "best_over_bound": min(v),
+            "median_over_bound": sorted(v)[len(v) // 2],
+        }
+        for (n, c, t), v in sorted(groups.items())
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cuda = args.device == "cuda"
+    if cuda and (missing := em.requirements_missing()):
+        print(missing, file=sys.stderr)
+        return 2
+    bw = em.bandwidths() if cuda else em.cpu_bandwidths()
+    sizes = [
+        int(float(s) * em.G) if cuda else int(float(s) * 4 * em.MI) for s in args.sizes.split(",")
+    ]
+    records = [r for n in sizes for r in measure_size(n, args, bw, cuda)]
+    out = {
+        "machine": em.machine() if cuda else {"device": "cpu"},
+        "bandwidths_bytes_per_s": bw,
+        "records": records,
+        "summary": summary(records),
+    }
+    for row in out["summary"]:
+        print(row, flush=True)
+    if args.out is not None:
+        args.out.write_text(json.dumps(out, indent=1) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
