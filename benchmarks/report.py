@@ -259,11 +259,22 @@ SECTIONS: list[tuple[str, str, str, str]] = [
         "peak_extra_host_bytes,seconds,bound_seconds,seconds_over_bound,te_seconds,speedup_vs_te",
         "`benchmarks/export_memory.py --sweep load`: `load_state_dict` of a host checkpoint "
         "(FP32 states, int16 remainders) into a trained TE FusedAdam, under the policy "
-        "(`placement_cpu`, best of two runs) and TE's own (`te_default`, one run). T*_load = max(R / "
-        "B_h2d, I / B_host_read), with R the bytes written to the GPU, I the checkpoint bytes "
-        "read, and both bandwidths measured in the same run (`h2d`, `host_read` in the JSON). "
-        "The host peak is the kernel's RSS high-water mark, reset before the load. Every load "
-        "was compared bit for bit with TE's own load of the same checkpoint.",
+        "(`placement_cpu`, best of two runs) and TE's own (`te_default`, one run). T*_load = "
+        "max(R / B_h2d, I / B_host_read), with R the bytes written to the GPU, I the checkpoint"
+        " bytes read, and both bandwidths measured in the same run (`h2d`, `host_read` in the "
+        "JSON). The host peak is the kernel's RSS high-water mark, reset before the load. Every"
+        " load was compared bit for bit with TE's own load of the same checkpoint.",
+    ),
+    (
+        "Loads: host threads and staging chunk",
+        "h200_load_ab.json",
+        "generic:run,n_elements,chunk_mib,torch_threads,rounds,best_over_bound,"
+        "median_over_bound,bound_seconds,te_seconds",
+        "`benchmarks/load_ab.py` on one H200 (16-core host): the load above (BF16 moments, int16 "
+        "remainders) with each staging chunk and torch thread count, in interleaved rounds, "
+        "every load checked against TE's. The host conversion is CPU-bound: time falls with "
+        "threads, and 16 MiB chunks beat 64 MiB. One thread per rank is what torchrun's default "
+        "`OMP_NUM_THREADS=1` gives.",
     ),
     (
         "DCP streaming load: memory",
@@ -291,13 +302,13 @@ SECTIONS: list[tuple[str, str, str, str]] = [
         "h200x2_dcp_paths.json",
         "generic:op,mode,rank,save_index,n_elements,max_elements,peak_extra_gpu_bytes,"
         "peak_extra_host_bytes,seconds,seconds_total,blocked_over_bound,within_host_bound",
-        "`benchmarks/dcp_e2e.py --size medium` (FSDP2 on 2 GPUs, 8 BF16 Linear(8192, 8192), int16 "
-        "remainders): the streaming save (`placement_cpu_streaming`, `StreamingWriter`, one "
-        "writer thread), the raw-snapshot async save (`placement_cpu_snapshot`, three saves in a "
-        "row; `blocked_over_bound` is the time `dcp.async_save` blocked over (R_optimizer + "
-        "R_model) / B_d2h, with B_d2h measured in the run). The snapshot rows' GPU peak includes the training step taken "
-        "while each write runs. Every row here was checked bit for bit before it was kept; the "
-        "run's loads are superseded by the section above.",
+        "`benchmarks/dcp_e2e.py --size medium` (FSDP2 on 2 GPUs, 8 BF16 Linear(8192, 8192), "
+        "int16 remainders): the streaming save (`placement_cpu_streaming`, `StreamingWriter`, "
+        "one writer thread), the raw-snapshot async save (`placement_cpu_snapshot`, three saves"
+        " in a row; `blocked_over_bound` is the time `dcp.async_save` blocked over (R_optimizer"
+        " + R_model) / B_d2h, with B_d2h measured in the run). The snapshot rows' GPU peak "
+        "includes the training step taken while each write runs. Every row here was checked bit"
+        " for bit before it was kept; the run's loads are superseded by the section above.",
     ),
     (
         "Megatron-Core checkpoints",
