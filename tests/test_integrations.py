@@ -12,6 +12,7 @@ import pickle
 import subprocess
 import sys
 import types
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -636,15 +637,29 @@ def _no_barrier(*args: Any, **kwargs: Any) -> None:
     )
 
 
-def test_load_full_equals_torchs_full_state_load(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def one_rank_group(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A one-rank gloo default group in which ``dist.barrier`` fails: the resume's collectives
+    must stay on the host."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("needs its own one-rank process group")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    monkeypatch.setattr(dist, "barrier", _no_barrier)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_load_full_equals_torchs_full_state_load(tmp_path: Path) -> None:
     # accelerate's FULL_STATE_DICT resume is torch's set_optimizer_state_dict(full_state_dict,
     # broadcast_from_rank0); _resume.load_full must give the optimizer exactly what that gives,
     # hyperparameters and their types included (torch hands back a group's tuples as lists),
     # with saved groups matched by parameter FQN, a key the checkpoint lacks kept from the
     # optimizer, one the checkpoint adds taken.
-    import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_optimizer_state_dict,
@@ -653,54 +668,45 @@ def test_load_full_equals_torchs_full_state_load(
 
     from te_ckpt_placement.integrations import _resume
 
-    if dist.is_initialized():
-        pytest.skip("needs its own one-rank process group")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    monkeypatch.setattr(dist, "barrier", _no_barrier)  # the resume's collectives stay on the host
-    try:
-        full_options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        model, optimizer = _two_group_adam(seed=0)
-        for _ in range(2):
-            model(torch.randn(2, 5)).sum().backward()
-            optimizer.step()
-        saved = get_optimizer_state_dict(model, optimizer, options=full_options)
-        saved["param_groups"].reverse()  # matched by FQN, not by position
-        saved["param_groups"][0]["added"] = (1, "two")
-        del saved["param_groups"][1]["maximize"]
-        assert isinstance(saved["param_groups"][0]["betas"], tuple)
-        path = tmp_path / "optimizer.bin"
-        torch.save(saved, path)
+    full_options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    model, optimizer = _two_group_adam(seed=0)
+    for _ in range(2):
+        model(torch.randn(2, 5)).sum().backward()
+        optimizer.step()
+    saved = get_optimizer_state_dict(model, optimizer, options=full_options)
+    saved["param_groups"].reverse()  # matched by FQN, not by position
+    saved["param_groups"][0]["added"] = (1, "two")
+    del saved["param_groups"][1]["maximize"]
+    assert isinstance(saved["param_groups"][0]["betas"], tuple)
+    path = tmp_path / "optimizer.bin"
+    torch.save(saved, path)
 
-        model, reference = _two_group_adam(seed=1)
-        set_optimizer_state_dict(
-            model, reference, torch.load(path, weights_only=True), options=full_options
-        )
-        model, ours = _two_group_adam(seed=1)
-        with _resume.host_group() as group:
-            assert _resume.load_full(model, ours, str(path), full_options, group)
-        assert _loaded(ours) == _loaded(reference)
-        assert isinstance(reference.param_groups[0]["betas"], list)  # what makes this test bite
+    model, reference = _two_group_adam(seed=1)
+    set_optimizer_state_dict(
+        model, reference, torch.load(path, weights_only=True), options=full_options
+    )
+    model, ours = _two_group_adam(seed=1)
+    with _resume.host_group() as group:
+        assert _resume.load_full(model, ours, str(path), full_options, group)
+    assert _loaded(ours) == _loaded(reference)
+    assert isinstance(reference.param_groups[0]["betas"], list)  # what makes this test bite
 
-        # A state of another shape: an error naming it, and the optimizer unchanged.
-        bad = torch.load(path, weights_only=True)
-        bad["state"]["1.weight"]["exp_avg"] = torch.zeros(3, 3)
-        torch.save(bad, path)
-        before = _loaded(ours)
-        with _resume.host_group() as group:
-            with pytest.raises(ValueError, match=r"'exp_avg' of 1\.weight has shape \(3, 3\)"):
-                _resume.load_full(model, ours, str(path), full_options, group)
-        assert _loaded(ours) == before
-    finally:
-        dist.destroy_process_group()
+    # A state of another shape: an error naming it, and the optimizer unchanged.
+    bad = torch.load(path, weights_only=True)
+    bad["state"]["1.weight"]["exp_avg"] = torch.zeros(3, 3)
+    torch.save(bad, path)
+    before = _loaded(ours)
+    with _resume.host_group() as group:
+        with pytest.raises(ValueError, match=r"'exp_avg' of 1\.weight has shape \(3, 3\)"):
+            _resume.load_full(model, ours, str(path), full_options, group)
+    assert _loaded(ours) == before
 
 
-def test_load_sharded_equals_accelerates_sharded_load(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.usefixtures("one_rank_group")
+def test_load_sharded_equals_accelerates_sharded_load(tmp_path: Path) -> None:
     # accelerate's SHARDED_STATE_DICT resume (load_fsdp_optimizer): a template, dcp.load, then
     # set_optimizer_state_dict. _resume.load_sharded runs the same calls with its collectives on
     # the host group, and no dist.barrier (which allocates on the group's bound device).
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -710,29 +716,22 @@ def test_load_sharded_equals_accelerates_sharded_load(
 
     from te_ckpt_placement.integrations import _resume
 
-    if dist.is_initialized():
-        pytest.skip("needs its own one-rank process group")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    monkeypatch.setattr(dist, "barrier", _no_barrier)
-    try:
-        options = StateDictOptions()
-        model, optimizer = _two_group_adam(seed=0)
-        for _ in range(2):
-            model(torch.randn(2, 5)).sum().backward()
-            optimizer.step()
-        path = str(tmp_path / "optimizer_0")
-        dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=path)
+    options = StateDictOptions()
+    model, optimizer = _two_group_adam(seed=0)
+    for _ in range(2):
+        model(torch.randn(2, 5)).sum().backward()
+        optimizer.step()
+    path = str(tmp_path / "optimizer_0")
+    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=path)
 
-        model, reference = _two_group_adam(seed=1)
-        template = {"optimizer": get_optimizer_state_dict(model, reference, options=options)}
-        dcp.load(template, checkpoint_id=path)
-        set_optimizer_state_dict(model, reference, template["optimizer"], options=options)
-        model, ours = _two_group_adam(seed=1)
-        with _resume.host_group() as group:
-            _resume.load_sharded(model, ours, path, options, group)
-        assert _loaded(ours) == _loaded(reference)
-    finally:
-        dist.destroy_process_group()
+    model, reference = _two_group_adam(seed=1)
+    template = {"optimizer": get_optimizer_state_dict(model, reference, options=options)}
+    dcp.load(template, checkpoint_id=path)
+    set_optimizer_state_dict(model, reference, template["optimizer"], options=options)
+    model, ours = _two_group_adam(seed=1)
+    with _resume.host_group() as group:
+        _resume.load_sharded(model, ours, path, options, group)
+    assert _loaded(ours) == _loaded(reference)
 
 
 # --- resume: the host's threads shared among its ranks --------------------------------------------
