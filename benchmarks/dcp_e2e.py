@@ -382,47 +382,75 @@ def d2h_bytes_per_s(nbytes: int = GIB, trials: int = 5) -> float:
     return best
 
 
-def run_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
+class RankBench:
+    """One rank's model, TE FusedAdam, reference and records, with one method per op.
 
-    from te_ckpt_placement import export_placement, install, release_buffers
+    ``reference`` is what a checkpoint taken now must hold (optimizer export and weights, host
+    bits) and ``before`` the fingerprint of the live state it was taken from; both follow the
+    state when the snapshot saves train on.
+    """
 
-    rank = dist.get_rank()
-    if SMOKE:
-        from te_ckpt_placement import te_hooks
-        from tests.support.standin import StandInFusedAdam
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-        te_hooks.patch_class(StandInFusedAdam)  # the stand-in follows the policy, as TE does
-    else:
-        install()
-    layers, hidden = SIZES[args.size]
-    moments = MOMENTS[args.moments]
-    model, opt = build(layers, hidden, moments, seed=0)
-    n_local = sum(local(p).numel() for p in model.parameters())
-    m_local = max(local(p).numel() for p in model.parameters())
-    async_pg = dist.new_group(backend="gloo")  # the background write's collectives, apart
-    placed = StateDictOptions(flatten_optimizer_state_dict=True)
-    today = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
-    root = Path(args.dir)
+        from te_ckpt_placement import install
 
-    def checkpoint_dir(name: str) -> str:
-        path = root / name
-        if rank == 0:
+        self.args = args
+        self.rank = dist.get_rank()
+        if SMOKE:
+            from te_ckpt_placement import te_hooks
+            from tests.support.standin import StandInFusedAdam
+
+            te_hooks.patch_class(StandInFusedAdam)  # the stand-in follows the policy, as TE does
+        else:
+            install()
+        self.layers, self.hidden = SIZES[args.size]
+        self.moments = MOMENTS[args.moments]
+        self.model, self.opt = build(self.layers, self.hidden, self.moments, seed=0)
+        self.n_local = sum(local(p).numel() for p in self.model.parameters())
+        self.m_local = max(local(p).numel() for p in self.model.parameters())
+        self.async_pg = dist.new_group(backend="gloo")  # the background write's collectives, apart
+        self.placed = StateDictOptions(flatten_optimizer_state_dict=True)
+        self.today = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
+        self.root = Path(args.dir)
+        self.threads = args.writer_threads
+        self.reference, self.before = self.take_reference()
+        self.base = {
+            "moments": args.moments,
+            "masters": "remainder" if self.moments == torch.bfloat16 else "fp32",
+            "n_elements": self.n_local,
+            "max_elements": self.m_local,
+            "rank": self.rank,
+            "world_size": WORLD,
+            "parallelism": "fsdp2",
+            "layers": self.layers,
+            "hidden": self.hidden,
+        }
+        self.records: list[dict[str, Any]] = []
+        #: The fingerprint each dcp_load mode left (FP16/FP8 loads compare with te_default's).
+        self.loaded: dict[str, dict[str, Any]] = {}
+
+    # --- helpers --------------------------------------------------------------------------------
+    def modes(self, op: str) -> list[str]:
+        return [m for m in MODES[op] if not self.args.modes or m in self.args.modes.split(",")]
+
+    def checkpoint_dir(self, name: str) -> str:
+        import torch.distributed as dist
+
+        path = self.root / name
+        if self.rank == 0:
             shutil.rmtree(path, ignore_errors=True)
         dist.barrier()
         return str(path)
 
-    def cleanup(path: str) -> None:
+    def cleanup(self, path: str) -> None:
+        import torch.distributed as dist
+
+        from te_ckpt_placement import release_buffers
+
         dist.barrier()
-        if rank == 0:
+        if self.rank == 0:
             shutil.rmtree(path, ignore_errors=True)
         release_buffers()
         gc.collect()
@@ -430,11 +458,27 @@ def run_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
             torch.cuda.empty_cache()
         dist.barrier()
 
-    def take_reference() -> tuple[dict[str, Any], dict[str, Any]]:
+    def warm_up(self) -> None:
+        """DCP's writer threads and file system set-up are not charged to the first mode."""
+        import torch.distributed.checkpoint as dcp
+
+        warm = self.checkpoint_dir("warmup")
+        dcp.save({"x": torch.ones(4)}, checkpoint_id=warm)
+        self.cleanup(warm)
+
+    def take_reference(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """The policy's export, checked against TE's own conversion, the weights, and the
         fingerprint of the live state: what a checkpoint taken now must hold."""
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        from te_ckpt_placement import export_placement
+
+        model, opt = self.model, self.opt
         with export_placement("cpu"):
-            reference_export = get_optimizer_state_dict(model, opt, options=placed)
+            reference_export = get_optimizer_state_dict(model, opt, options=self.placed)
         verify_against_te(reference_export, model, opt)
         reference = {f"optim.{k}": host_bits(v).clone() if isinstance(v, torch.Tensor) else v
                      for k, v in reference_export.items()}  # fmt: skip
@@ -443,63 +487,67 @@ def run_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
         )
         return reference, fingerprint(model, opt)
 
-    reference, before = take_reference()
-
-    def read_back(path: str, where: str) -> None:
+    def read_back(self, path: str, where: str) -> None:
         """The checkpoint at ``path`` holds the reference bits (read into a host template)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        from te_ckpt_placement import export_placement
+
         with export_placement("cpu"):
-            template = get_optimizer_state_dict(model, opt, options=placed)
+            template = get_optimizer_state_dict(self.model, self.opt, options=self.placed)
         # Host copies of the sharded weights (CPU-local DTensors on the CUDA mesh) as targets.
-        model_template = {k: v.to("cpu") for k, v in get_model_state_dict(model).items()}
+        model_template = {k: v.to("cpu") for k, v in get_model_state_dict(self.model).items()}
         state = {"model": model_template, "optim": template}
         blank(state)
         dcp.load(state, checkpoint_id=path)
         flat = {f"optim.{k}": v for k, v in state["optim"].items()}
         flat.update({f"model.{k}": v for k, v in state["model"].items()})
-        assert_same_bits(flat, reference, where)
+        assert_same_bits(flat, self.reference, where)
         del state, flat, template, model_template
 
-    def read_back_te(path: str, where: str) -> None:
+    def read_back_te(self, path: str, where: str) -> None:
         """The checkpoint loads into templates shaped like TE's own export (on the GPU), as a
         user without te_ckpt_placement loads it, and holds the reference bits."""
-        te_export = get_optimizer_state_dict(model, opt, options=placed)  # no policy: TE's
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        # No policy: TE's own export.
+        te_export = get_optimizer_state_dict(self.model, self.opt, options=self.placed)
         # Empty look-alikes: TE's FP32 and int16 exports alias the live states.
         template = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v
                     for k, v in te_export.items()}  # fmt: skip
         del te_export
-        model_template = {k: torch.empty_like(v) for k, v in get_model_state_dict(model).items()}
+        model_template = {
+            k: torch.empty_like(v) for k, v in get_model_state_dict(self.model).items()
+        }
         state = {"model": model_template, "optim": template}
         blank(state)
         dcp.load(state, checkpoint_id=path)
         flat = {f"optim.{k}": v for k, v in state["optim"].items()}
         flat.update({f"model.{k}": v for k, v in state["model"].items()})
-        assert_same_bits(flat, reference, f"{where} (TE template)")
+        assert_same_bits(flat, self.reference, f"{where} (TE template)")
         del state, flat, template, model_template
         gc.collect()
         if not SMOKE:
             torch.cuda.empty_cache()
 
-    base = {
-        "moments": args.moments,
-        "masters": "remainder" if moments == torch.bfloat16 else "fp32",
-        "n_elements": n_local,
-        "max_elements": m_local,
-        "rank": rank,
-        "world_size": WORLD,
-        "parallelism": "fsdp2",
-        "layers": layers,
-        "hidden": hidden,
-    }
-    records: list[dict[str, Any]] = []
-
-    def keep(op: str, mode: str, result: dict[str, Any], **extra: Any) -> None:
-        rec = {"op": op, "mode": mode, **base, **result, **extra}
-        rec["gpu_bytes_per_n"] = rec["peak_extra_gpu_bytes"] / n_local
-        rec["host_bytes_per_n"] = rec["peak_extra_host_bytes"] / n_local
-        records.append(rec)
-        if args.out is not None:  # per rank, after each measurement: a cut-off run keeps them
-            Path(f"{args.out}.rank{rank}").write_text(json.dumps(records, indent=1) + "\n")
-        if rank == 0:
+    def keep(self, op: str, mode: str, result: dict[str, Any], **extra: Any) -> None:
+        """Records one measurement (and writes this rank's records so far, with --out)."""
+        rec = {"op": op, "mode": mode, **self.base, **result, **extra}
+        rec["gpu_bytes_per_n"] = rec["peak_extra_gpu_bytes"] / self.n_local
+        rec["host_bytes_per_n"] = rec["peak_extra_host_bytes"] / self.n_local
+        self.records.append(rec)
+        out = self.args.out
+        if out is not None:  # per rank, after each measurement: a cut-off run keeps them
+            Path(f"{out}.rank{self.rank}").write_text(json.dumps(self.records, indent=1) + "\n")
+        if self.rank == 0:
             print(
                 f"{op:<15} {mode:<33} GPU {rec['peak_extra_gpu_bytes'] / 2**30:7.2f} GiB "
                 f"({rec['gpu_bytes_per_n']:5.2f} B/N)  "
@@ -508,110 +556,22 @@ def run_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
                 flush=True,
             )
 
-    # Warm-up: DCP's writer threads and file system set-up are not charged to the first mode.
-    warm = checkpoint_dir("warmup")
-    dcp.save({"x": torch.ones(4)}, checkpoint_id=warm)
-    cleanup(warm)
+    # --- dcp_save -------------------------------------------------------------------------------
+    def dcp_save(self) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
 
-    def snapshot_saves(
-        args: argparse.Namespace, async_pg: Any, checkpoint_dir: Any, cleanup: Any
-    ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """``--snapshot-saves`` raw-snapshot async saves in a row, a training step during each
-        write; returns the reference and fingerprint of the state after the last step."""
-        from benchmarks.export_memory import rss
-        from te_ckpt_placement.dcp import PlacedOptimizerState, SnapshotStager, StreamingWriter
+        from te_ckpt_placement import export_placement
 
-        nonlocal reference
-        mode = "placement_cpu_snapshot"
-        threads = args.writer_threads
-        bandwidth = d2h_bytes_per_s()
-        stager = SnapshotStager()
-        first_start = 0
-        for index in range(args.snapshot_saves):
-            reference, _ = take_reference()  # what this checkpoint must hold
-            raw = optimizer_raw_bytes(opt) + model_raw_bytes(model)
-            path = checkpoint_dir(f"async_{mode}_{index}")
-            result: dict[str, Any] = {}
-            gc.collect()
-            start = rss()  # from the second save on, the kept buffers are part of it
-            first_start = first_start or start
-            with _measured(result):
-                response = dcp.async_save(
-                    {
-                        "model": get_model_state_dict(model),
-                        "optim": PlacedOptimizerState(model, opt, save="streaming"),
-                    },
-                    storage_writer=StreamingWriter(path, thread_count=threads, stager=stager),
-                    process_group=async_pg,
-                )
-                if hasattr(response, "staging_completion"):
-                    response.staging_completion.result()
-                result["seconds"] = time.perf_counter() - result["_start"]
-                step_start = time.perf_counter()
-                train_step(model, opt, hidden)  # training goes on while the write runs
-                step_seconds = time.perf_counter() - step_start
-                wait(response)
-            stats = stager.last_stats
-            assert stats is not None
-            assert stats.raw_bytes + stats.other_bytes == raw, (stats, raw)
-            read_back(path, f"dcp_async_save {mode} {index}")  # the state at the save point
-            read_back_te(path, f"dcp_async_save {mode} {index}")
-            host_extra = start - first_start + result["peak_extra_host_bytes"]
-            bound = raw + GIB + (threads + 1) * 4 * m_local
-            keep("dcp_async_save", mode, result, cpu_offload=False, writer_threads=threads,
-                 save_index=index, first_save=index == 0, blocked_seconds=result["seconds"],
-                 raw_bytes=raw, optimizer_raw_bytes=optimizer_raw_bytes(opt),
-                 model_raw_bytes=model_raw_bytes(model), d2h_bytes_per_s=bandwidth,
-                 bound_seconds=raw / bandwidth,
-                 blocked_over_bound=result["seconds"] / (raw / bandwidth),
-                 staging_seconds=stats.seconds, allocated_buffer_bytes=stats.allocated_bytes,
-                 kept_buffer_bytes=stager.buffer_bytes,
-                 train_step_seconds=step_seconds, host_extra_bytes=host_extra,
-                 host_bound_bytes=bound, within_host_bound=host_extra <= bound)  # fmt: skip
-            if rank == 0:
-                print(
-                    f"  snapshot save {index}: blocked {result['seconds']:.3f} s, bound "
-                    f"{raw / bandwidth:.3f} s ({raw / 2**30:.2f} GiB at "
-                    f"{bandwidth / 1e9:.1f} GB/s): x{result['seconds'] / (raw / bandwidth):.2f}; "
-                    f"host extra {host_extra / 2**30:.2f} GiB (bound {bound / 2**30:.2f} GiB)",
-                    flush=True,
-                )
-            cleanup(path)
-        stager.close()
-        # The state trained on: later ops compare against it.
-        return take_reference()
-
-    ops = [op for op in args.ops.split(",") if op]
-    threads = args.writer_threads
-
-    def modes(op: str) -> list[str]:
-        return [m for m in MODES[op] if not args.modes or m in args.modes.split(",")]
-
-    if "dcp_save" in ops:
-        for mode in modes("dcp_save"):
-            path = checkpoint_dir(f"save_{mode}")
+        model, opt = self.model, self.opt
+        for mode in self.modes("dcp_save"):
+            path = self.checkpoint_dir(f"save_{mode}")
             result: dict[str, Any] = {}
             if mode == "placement_cpu_streaming":
-                from te_ckpt_placement.dcp import PlacedOptimizerState, StreamingWriter
-
-                # The state dict holds lazy states; each is produced when the writer asks.
-                with _measured(result):
-                    dcp.save(
-                        {
-                            "model": get_model_state_dict(model),
-                            "optim": PlacedOptimizerState(model, opt, save="streaming"),
-                        },
-                        storage_writer=StreamingWriter(path, thread_count=threads),
-                    )
-                read_back(path, f"dcp_save {mode}")
-                read_back_te(path, f"dcp_save {mode}")
-                bound = GIB + (threads + 1) * 4 * m_local
-                if rank == 0:
-                    print(f"  streaming save: host bound {bound / 2**30:.2f} GiB", flush=True)
-                keep("dcp_save", mode, result, cpu_offload=False, writer_threads=threads,
-                     host_bound_bytes=bound,
-                     within_host_bound=result["peak_extra_host_bytes"] <= bound)  # fmt: skip
-                cleanup(path)
+                self.streaming_save(mode, path, result)
                 continue
             with _measured(result):
                 policy = (
@@ -619,34 +579,71 @@ def run_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
                 )
                 with policy:
                     optim = get_optimizer_state_dict(
-                        model, opt, options=placed if mode == "placement_cpu" else today
+                        model, opt, options=self.placed if mode == "placement_cpu" else self.today
                     )
                 dcp.save({"model": get_model_state_dict(model), "optim": optim}, checkpoint_id=path)
                 del optim
-            read_back(path, f"dcp_save {mode}")  # before the numbers are kept
-            keep("dcp_save", mode, result, cpu_offload=mode == "te_default", writer_threads=1)
-            cleanup(path)
+            self.read_back(path, f"dcp_save {mode}")  # before the numbers are kept
+            self.keep("dcp_save", mode, result, cpu_offload=mode == "te_default", writer_threads=1)
+            self.cleanup(path)
 
-    if "dcp_async_save" in ops:
-        for mode in modes("dcp_async_save"):
+    def streaming_save(self, mode: str, path: str, result: dict[str, Any]) -> None:
+        """``dcp_save`` ``placement_cpu_streaming``: lazy states through a StreamingWriter."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        from te_ckpt_placement.dcp import PlacedOptimizerState, StreamingWriter
+
+        model, opt, threads = self.model, self.opt, self.threads
+        # The state dict holds lazy states; each is produced when the writer asks.
+        with _measured(result):
+            dcp.save(
+                {
+                    "model": get_model_state_dict(model),
+                    "optim": PlacedOptimizerState(model, opt, save="streaming"),
+                },
+                storage_writer=StreamingWriter(path, thread_count=threads),
+            )
+        self.read_back(path, f"dcp_save {mode}")
+        self.read_back_te(path, f"dcp_save {mode}")
+        bound = GIB + (threads + 1) * 4 * self.m_local
+        if self.rank == 0:
+            print(f"  streaming save: host bound {bound / 2**30:.2f} GiB", flush=True)
+        self.keep("dcp_save", mode, result, cpu_offload=False, writer_threads=threads,
+                  host_bound_bytes=bound,
+                  within_host_bound=result["peak_extra_host_bytes"] <= bound)  # fmt: skip
+        self.cleanup(path)
+
+    # --- dcp_async_save -------------------------------------------------------------------------
+    def dcp_async_save(self) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        from te_ckpt_placement import export_placement
+
+        model, opt = self.model, self.opt
+        for mode in self.modes("dcp_async_save"):
             if mode == "placement_cpu_snapshot":
-                reference, before = snapshot_saves(args, async_pg, checkpoint_dir, cleanup)
+                self.reference, self.before = self.snapshot_saves()
                 continue
-            path = checkpoint_dir(f"async_{mode}")
+            path = self.checkpoint_dir(f"async_{mode}")
             stager = counting_pass_through() if mode.endswith("passthrough_stager") else None
-            result = {}
+            result: dict[str, Any] = {}
             with _measured(result):
                 policy = (
                     export_placement("cpu") if mode != "te_default" else contextlib.nullcontext()
                 )
                 with policy:
                     optim = get_optimizer_state_dict(
-                        model, opt, options=today if mode == "te_default" else placed
+                        model, opt, options=self.today if mode == "te_default" else self.placed
                     )
                 response = dcp.async_save(
                     {"model": get_model_state_dict(model), "optim": optim},
                     checkpoint_id=path,
-                    process_group=async_pg,
+                    process_group=self.async_pg,
                     async_stager=stager,
                 )
                 del optim
@@ -661,14 +658,94 @@ def run_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
                     f"PassThroughStager copied {stager.exported - stager.passed} exports"
                 )
                 extra["exports_passed_through"] = stager.passed
-            read_back(path, f"dcp_async_save {mode}")
-            keep("dcp_async_save", mode, result, **extra)
-            cleanup(path)
+            self.read_back(path, f"dcp_async_save {mode}")
+            self.keep("dcp_async_save", mode, result, **extra)
+            self.cleanup(path)
 
-    def timed_load(mode: str, path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    def snapshot_saves(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``--snapshot-saves`` raw-snapshot async saves in a row, a training step during each
+        write; returns the reference and fingerprint of the state after the last step."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        from benchmarks.export_memory import rss
+        from te_ckpt_placement.dcp import PlacedOptimizerState, SnapshotStager, StreamingWriter
+
+        model, opt, threads = self.model, self.opt, self.args.writer_threads
+        mode = "placement_cpu_snapshot"
+        bandwidth = d2h_bytes_per_s()
+        stager = SnapshotStager()
+        first_start = 0
+        for index in range(self.args.snapshot_saves):
+            self.reference, _ = self.take_reference()  # what this checkpoint must hold
+            raw = optimizer_raw_bytes(opt) + model_raw_bytes(model)
+            path = self.checkpoint_dir(f"async_{mode}_{index}")
+            result: dict[str, Any] = {}
+            gc.collect()
+            start = rss()  # from the second save on, the kept buffers are part of it
+            first_start = first_start or start
+            with _measured(result):
+                response = dcp.async_save(
+                    {
+                        "model": get_model_state_dict(model),
+                        "optim": PlacedOptimizerState(model, opt, save="streaming"),
+                    },
+                    storage_writer=StreamingWriter(path, thread_count=threads, stager=stager),
+                    process_group=self.async_pg,
+                )
+                if hasattr(response, "staging_completion"):
+                    response.staging_completion.result()
+                result["seconds"] = time.perf_counter() - result["_start"]
+                step_start = time.perf_counter()
+                train_step(model, opt, self.hidden)  # training goes on while the write runs
+                step_seconds = time.perf_counter() - step_start
+                wait(response)
+            stats = stager.last_stats
+            assert stats is not None
+            assert stats.raw_bytes + stats.other_bytes == raw, (stats, raw)
+            self.read_back(path, f"dcp_async_save {mode} {index}")  # the state at the save point
+            self.read_back_te(path, f"dcp_async_save {mode} {index}")
+            host_extra = start - first_start + result["peak_extra_host_bytes"]
+            bound = raw + GIB + (threads + 1) * 4 * self.m_local
+            self.keep("dcp_async_save", mode, result, cpu_offload=False, writer_threads=threads,
+                      save_index=index, first_save=index == 0, blocked_seconds=result["seconds"],
+                      raw_bytes=raw, optimizer_raw_bytes=optimizer_raw_bytes(opt),
+                      model_raw_bytes=model_raw_bytes(model), d2h_bytes_per_s=bandwidth,
+                      bound_seconds=raw / bandwidth,
+                      blocked_over_bound=result["seconds"] / (raw / bandwidth),
+                      staging_seconds=stats.seconds, allocated_buffer_bytes=stats.allocated_bytes,
+                      kept_buffer_bytes=stager.buffer_bytes,
+                      train_step_seconds=step_seconds, host_extra_bytes=host_extra,
+                      host_bound_bytes=bound, within_host_bound=host_extra <= bound)  # fmt: skip
+            if self.rank == 0:
+                print(
+                    f"  snapshot save {index}: blocked {result['seconds']:.3f} s, bound "
+                    f"{raw / bandwidth:.3f} s ({raw / 2**30:.2f} GiB at "
+                    f"{bandwidth / 1e9:.1f} GB/s): x{result['seconds'] / (raw / bandwidth):.2f}; "
+                    f"host extra {host_extra / 2**30:.2f} GiB (bound {bound / 2**30:.2f} GiB)",
+                    flush=True,
+                )
+            self.cleanup(path)
+        stager.close()
+        # The state trained on: later ops compare against it.
+        return self.take_reference()
+
+    # --- dcp_load -------------------------------------------------------------------------------
+    def timed_load(self, mode: str, path: str) -> tuple[dict[str, Any], dict[str, Any]]:
         """One measured ``dcp.load`` of the model and optimizer at ``path`` in ``mode``."""
-        train_step(model, opt, hidden)  # the load has to undo this step
-        assert fingerprint(model, opt).keys() == before.keys()
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        from te_ckpt_placement import export_placement
+
+        model, opt, placed = self.model, self.opt, self.placed
+        train_step(model, opt, self.hidden)  # the load has to undo this step
+        assert fingerprint(model, opt).keys() == self.before.keys()
         result: dict[str, Any] = {}
         extra: dict[str, Any] = {}
         with _measured(result):
@@ -697,15 +774,23 @@ def run_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
                 }
         return result, extra
 
-    if "dcp_load" in ops:
-        path = checkpoint_dir("load_source")
+    def dcp_load(self) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        from te_ckpt_placement import export_placement
+
+        args, model, opt, loaded = self.args, self.model, self.opt, self.loaded
+        path = self.checkpoint_dir("load_source")
         with export_placement("cpu"):
-            optim = get_optimizer_state_dict(model, opt, options=placed)
+            optim = get_optimizer_state_dict(model, opt, options=self.placed)
         dcp.save({"model": get_model_state_dict(model), "optim": optim}, checkpoint_id=path)
         del optim
-        read_back(path, "dcp_load source")
-        loaded: dict[str, dict[str, Any]] = {}
-        load_modes = modes("dcp_load")
+        self.read_back(path, "dcp_load source")
+        load_modes = self.modes("dcp_load")
         if args.moments not in ("bf16", "fp32") and "te_default" not in load_modes:
             load_modes.insert(0, "te_default")  # the reference of FP16/FP8 loads
         for round_ in range(args.load_rounds):
@@ -713,21 +798,29 @@ def run_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
             # alternate the order, so neither mode always reads the checkpoint first.
             order = load_modes if round_ % 2 == 0 else load_modes[::-1]
             for mode in order:
-                result, extra = timed_load(mode, path)
+                result, extra = self.timed_load(mode, path)
                 loaded[mode] = fingerprint(model, opt)
                 # BF16/FP32 states load back exactly as saved. FP16/FP8 ones are rescaled by
                 # TE's own load, so for them the policy's load must equal TE's load instead.
-                expected = before if args.moments in ("bf16", "fp32") else loaded["te_default"]
+                expected = self.before if args.moments in ("bf16", "fp32") else loaded["te_default"]
                 for key, value in expected.items():
                     got = loaded[mode][key]
                     same = (
                         torch.equal(got, value) if isinstance(value, torch.Tensor) else got == value
                     )
                     assert same, f"dcp_load {mode}: {key} differs from the expected state"
-                keep("dcp_load", mode, result, round=round_, **extra)
-        cleanup(path)
+                self.keep("dcp_load", mode, result, round=round_, **extra)
+        self.cleanup(path)
 
-    if "full_state_dict" in ops:
+    # --- full_state_dict ------------------------------------------------------------------------
+    def full_state_dict(self) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
+
+        from te_ckpt_placement import export_placement
+
         # DCP all-gathers each state onto rank 0's host. Under the policy each CPU-local shard
         # goes back to the GPU for its all-gather, one state at a time.
         full = StateDictOptions(
@@ -736,24 +829,25 @@ def run_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
         # NCCL cannot all-gather int16, so DCP's full gather of int16 master remainders fails
         # with or without the policy ("Input tensor data type is not supported for NCCL process
         # group: Short", seen on 2xH200 with TE's own export first). FP32 masters here.
-        del model, opt
+        del self.model, self.opt
         gc.collect()
         if not SMOKE:
             torch.cuda.empty_cache()
-        model, opt = build(layers, hidden, moments, seed=0, remainders=False)
-        base = {**base, "masters": "fp32"}
+        model, opt = build(self.layers, self.hidden, self.moments, seed=0, remainders=False)
+        self.model, self.opt = model, opt
+        self.base = {**self.base, "masters": "fp32"}
         largest = max(p.numel() for p in model.parameters()) * 4  # one global FP32 state
         te_full: dict[str, Any] = {}
         for mode in MODES["full_state_dict"]:
-            result = {}
+            result: dict[str, Any] = {}
             with _measured(result):
                 policy = (
                     export_placement("cpu") if mode == "placement_cpu" else contextlib.nullcontext()
                 )
                 with policy:
                     gathered = get_optimizer_state_dict(model, opt, options=full)
-            if rank != 0:
-                assert gathered == {}, f"full_state_dict {mode}: rank {rank} kept a state dict"
+            if self.rank != 0:
+                assert gathered == {}, f"full_state_dict {mode}: rank {self.rank} kept a state dict"
             elif mode == "te_default":
                 te_full = gathered
             else:  # rank 0: the policy's gathered dict is TE's, bit for bit
@@ -765,10 +859,27 @@ def run_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
                     else:
                         assert gathered[key] == value, key
             del gathered
-            keep("full_state_dict", mode, result, cpu_offload=True, largest_state_bytes=largest)
+            self.keep(
+                "full_state_dict", mode, result, cpu_offload=True, largest_state_bytes=largest
+            )
             gc.collect()
         del te_full
-    return records
+
+
+def run_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Builds this rank's model and optimizer and runs the selected ops, in OPS' order."""
+    bench = RankBench(args)
+    bench.warm_up()
+    ops = [op for op in args.ops.split(",") if op]
+    if "dcp_save" in ops:
+        bench.dcp_save()
+    if "dcp_async_save" in ops:
+        bench.dcp_async_save()
+    if "dcp_load" in ops:
+        bench.dcp_load()
+    if "full_state_dict" in ops:
+        bench.full_state_dict()
+    return bench.records
 
 
 def smoke_machine() -> dict[str, Any]:

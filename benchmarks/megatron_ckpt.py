@@ -653,10 +653,8 @@ class Run:
         return result
 
     def run_case(self, case: Case) -> None:
+        """Steps 1 to 4 of the module's docstring for one case (see there)."""
         import torch.distributed as dist
-
-        from te_ckpt_placement import export_placement
-        from te_ckpt_placement.integrations.megatron import place_optimizer
 
         size, base = self.size, self.root / case.name.replace("/", "-")
         model, gpt, optimizer = build(size, case, seed=1)
@@ -665,26 +663,49 @@ class Run:
         dirs = {mode: base / mode for mode in ("te_default", "placement_cpu")}
 
         if case.sharding_type == "fully_sharded_model_space":
-            errors = {}
-            for mode in dirs:
-                if mode == "placement_cpu":
-                    place_optimizer(optimizer)
-                try:
-                    save(gpt, optimizer, case, dirs[mode])
-                    errors[mode] = None
-                except Exception as exc:  # Megatron's own refusal, expected in both modes
-                    errors[mode] = f"{type(exc).__name__}: {exc}"
-            self.check(
-                case,
-                "megatron refuses it, and the same way when placed",
-                errors["te_default"] is not None
-                and errors["te_default"] == errors["placement_cpu"],
-                errors,
-            )
+            self._check_refused(case, gpt, optimizer, dirs)
             return
 
         saved = snapshot(gpt, optimizer)
         member = distributed_optimizer(optimizer)
+        results = self._saves(case, gpt, optimizer, dirs, n)
+        self._check_save_memory(case, member, results, n)
+        self._check_checkpoints_equal(case, optimizer, dirs, base)
+        del model, gpt, optimizer, member
+        _free()
+
+        after, trained = self._loads(case, dirs, n, results)
+        self._check_loads(case, saved, after, trained)
+        if self.rank == 0:
+            shutil.rmtree(base, ignore_errors=True)
+        dist.barrier()
+
+    def _check_refused(self, case: Case, gpt: Any, optimizer: Any, dirs: dict[str, Path]) -> None:
+        """Megatron refuses to save the case, and the same way when placed."""
+        from te_ckpt_placement.integrations.megatron import place_optimizer
+
+        errors = {}
+        for mode in dirs:
+            if mode == "placement_cpu":
+                place_optimizer(optimizer)
+            try:
+                save(gpt, optimizer, case, dirs[mode])
+                errors[mode] = None
+            except Exception as exc:  # Megatron's own refusal, expected in both modes
+                errors[mode] = f"{type(exc).__name__}: {exc}"
+        self.check(
+            case,
+            "megatron refuses it, and the same way when placed",
+            errors["te_default"] is not None and errors["te_default"] == errors["placement_cpu"],
+            errors,
+        )
+
+    def _saves(
+        self, case: Case, gpt: Any, optimizer: Any, dirs: dict[str, Path], n: int
+    ) -> dict[str, Any]:
+        """Step 1: the measured saves, Megatron's then the placed one; results by mode."""
+        from te_ckpt_placement.integrations.megatron import place_optimizer
+
         results = {}
         for mode, ckpt in dirs.items():
             if mode == "placement_cpu":
@@ -696,7 +717,13 @@ class Run:
                 n,
                 lambda ckpt=ckpt, gpt=gpt, optimizer=optimizer: save(gpt, optimizer, case, ckpt),
             )
-        self._check_save_memory(case, member, results, n)
+        return results
+
+    def _check_checkpoints_equal(
+        self, case: Case, optimizer: Any, dirs: dict[str, Path], base: Path
+    ) -> None:
+        """Step 2: the two checkpoints, compared on rank 0 (every rank's slots gathered)."""
+        import torch.distributed as dist
 
         slots: list[Any] = [None] * self.world
         dist.all_gather_object(slots, param_slots(optimizer))
@@ -715,9 +742,16 @@ class Run:
             except Exception:
                 bad = [traceback.format_exc()[-2000:]]
         self.check(case, "checkpoints equal Megatron's, bit for bit", not bad, bad)
-        del model, gpt, optimizer, member
-        _free()
 
+    def _loads(
+        self, case: Case, dirs: dict[str, Path], n: int, results: dict[str, Any]
+    ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, dict[str, torch.Tensor]]]:
+        """Step 3: a fresh model and optimizer resumed from each checkpoint (measured), then
+        trained on; returns their snapshots after the load and after the steps, by mode."""
+        from te_ckpt_placement import export_placement
+        from te_ckpt_placement.integrations.megatron import place_optimizer
+
+        size = self.size
         after: dict[str, dict[str, torch.Tensor]] = {}
         trained: dict[str, dict[str, torch.Tensor]] = {}
         for mode, ckpt in dirs.items():
@@ -743,7 +777,16 @@ class Run:
             trained[mode] = snapshot(gpt, optimizer)
             del model, gpt, optimizer
             _free()
+        return after, trained
 
+    def _check_loads(
+        self,
+        case: Case,
+        saved: dict[str, torch.Tensor],
+        after: dict[str, dict[str, torch.Tensor]],
+        trained: dict[str, dict[str, torch.Tensor]],
+    ) -> None:
+        """The placed load and resume against Megatron's own (and the saved states)."""
         diff = differences(after["placement_cpu"], after["te_default"])
         self.check(case, "loaded states and params equal Megatron's load", not diff, diff)
         if case.moments == torch.bfloat16:
@@ -751,10 +794,8 @@ class Run:
             diff = differences(after["placement_cpu"], saved)
             self.check(case, "loaded states equal the saved ones", not diff, diff)
         diff = differences(trained["placement_cpu"], trained["te_default"])
+        size = self.size
         self.check(case, f"{size.resume_steps} steps after resume equal Megatron's", not diff, diff)
-        if self.rank == 0:
-            shutil.rmtree(base, ignore_errors=True)
-        dist.barrier()
 
     def _check_save_memory(self, case: Case, member: Any, results: dict[str, Any], n: int) -> None:
         placed = results["placement_cpu"]["peak_extra_gpu_bytes"]
