@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
+    set_model_state_dict,
 )
 
 from te_ckpt_placement import export_placement
@@ -583,3 +584,45 @@ def test_a_failed_upload_waits_for_the_others_and_lets_the_ring_go(
     assert ring.buffers == [] and not any(ring.queued) and not any(ring.lent)
     assert planner._rings == {} and planner._pending == {}
     assert "3 of" in planner.progress
+
+
+@pytest.mark.usefixtures("quiet")
+def test_a_reader_failure_between_resolve_and_commit_frees_the_ring_at_the_next_load(
+    tmp_path: Path, ring_on_cpu: list[Any]
+) -> None:
+    """The reader fails with a slot lent (no planner call sees it): the adapter keeps the failed
+    planner for its warning, and the next planner made for the adapter lets that ring go."""
+    run = trained(torch.bfloat16, "fp32")
+    save(run, tmp_path)
+    ours = trained(torch.bfloat16, "fp32", seed=30)
+    slots = []
+
+    class ShortRead(FileSystemReader):
+        def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Any:
+            resolve = planner.resolve_tensor
+
+            def resolve_then_fail(item: Any) -> torch.Tensor:
+                target = resolve(item)
+                slots.append(target)
+                if len(slots) == 3:
+                    raise OSError("short read")
+                return target
+
+            planner.resolve_tensor = resolve_then_fail  # type: ignore[method-assign]
+            return super().read_data(plan, planner)
+
+    state = {"optim": ours.state()}
+    failed = StreamingLoadPlanner(state["optim"])
+    with pytest.raises(CheckpointException, match="short read"), no_template(ours.opt):
+        dcp.load(state, storage_reader=ShortRead(str(tmp_path)), planner=failed)
+    assert isinstance(slots[-1], load_planner._Slot)  # the reader held a slot when it failed
+    assert state["optim"]._unfinished_load is failed  # for the adapter's warning
+    (stale,) = ring_on_cpu
+    planner = StreamingLoadPlanner(state["optim"])
+    assert stale.buffers == [] and failed._rings == {} and failed._pending == {}
+    again = {"model": get_model_state_dict(ours.model), "optim": state["optim"]}
+    with no_template(ours.opt):
+        dcp.load(again, checkpoint_id=str(tmp_path), planner=planner)
+    set_model_state_dict(ours.model, again["model"])
+    assert_same_run(ours, run, "the load after the failed one vs saved")
+    assert [ring.buffers for ring in ring_on_cpu] == [[], []]

@@ -582,6 +582,12 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
             0,
         )
         for state in states:
+            stale = state._unfinished_load
+            if isinstance(stale, StreamingLoadPlanner):
+                # A load the reader stopped between resolve_tensor and commit_tensor: no planner
+                # call saw it, and the adapter keeps that planner for its warning. Its uploads
+                # end here, and its pinned slots go back before this load takes its own.
+                stale._close_rings()
             state._load_planner = self
 
     # --- the template (PlacedOptimizerState.state_dict) ------------------------------------
