@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -126,7 +127,7 @@ def summary(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "chunk_mib": c,
             "torch_threads": t,
             "best_over_bound": min(v),
-            "median_over_bound": sorted(v)[len(v) // 2],
+            "median_over_bound": statistics.median(v),
         }
         for (n, c, t), v in sorted(groups.items())
     ]
