@@ -126,6 +126,7 @@ def summary(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "n_elements": n,
             "chunk_mib": c,
             "torch_threads": t,
+            "loads": len(v),
             "best_over_bound": min(v),
             "median_over_bound": statistics.median(v),
         }

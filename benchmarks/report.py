@@ -268,7 +268,7 @@ SECTIONS: list[tuple[str, str, str, str]] = [
     (
         "Loads: host threads and staging chunk",
         "h200_load_ab.json",
-        "generic:run,n_elements,chunk_mib,torch_threads,rounds,best_over_bound,"
+        "generic:run,n_elements,chunk_mib,torch_threads,loads,best_over_bound,"
         "median_over_bound,bound_seconds,te_seconds",
         "`benchmarks/load_ab.py` on one H200 (16-core host): the load above (BF16 moments, int16 "
         "remainders) with each staging chunk and torch thread count, in interleaved rounds, "
