@@ -490,6 +490,22 @@ def test_a_slot_holds_the_bits_of_torchs_copy_to_the_device(name: str) -> None:
     ring.close()
 
 
+@pytest.mark.parametrize("how", ["keyword", "positional"])
+def test_a_slot_keeps_the_bits_when_the_reader_copies_non_blocking(how: str) -> None:
+    src = sources()["transposed"]
+    expected = src.to(torch.bfloat16).contiguous()
+    ring = load_planner._UploadRing(torch.device("cpu"), 4096)
+    slot = ring.take(expected.numel() * 2)
+    assert slot is not None
+    target = ring.view(slot, tuple(src.shape), torch.bfloat16).detach()
+    if how == "keyword":
+        target.copy_(src, non_blocking=True)
+    else:
+        target.copy_(src, True)
+    assert torch.equal(bits(target.as_subclass(torch.Tensor)), bits(expected))
+    ring.close()
+
+
 def test_a_plain_copy_into_a_contiguous_buffer_would_differ_in_nan_bits() -> None:
     """Why slots convert through _Slot: the CPU kernels differ for a dense transposed source."""
     src = sources()["transposed"]
@@ -626,3 +642,50 @@ def test_a_reader_failure_between_resolve_and_commit_frees_the_ring_at_the_next_
     set_model_state_dict(ours.model, again["model"])
     assert_same_run(ours, run, "the load after the failed one vs saved")
     assert [ring.buffers for ring in ring_on_cpu] == [[], []]
+
+
+@pytest.mark.usefixtures("quiet")
+def test_after_a_failure_no_item_is_uploaded_or_counted(
+    tmp_path: Path, ring_on_cpu: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader with several items in flight (threads) after one failed: the failure let the
+    rings go, so a later commit must not count its item as written, nor a resolve make a ring."""
+    run = trained(torch.bfloat16, "fp32")
+    save(run, tmp_path)
+    ours = trained(torch.bfloat16, "fp32", seed=31)
+    seen: dict[str, Any] = {}
+
+    def failing(*args: Any) -> None:
+        raise OSError("device lost")
+
+    class TwoAtOnce(FileSystemReader):
+        def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Any:
+            assert isinstance(planner, StreamingLoadPlanner)
+            ours_items = [i for i in plan.items if i.dest_index.fqn in planner._targets]
+            first, second = ours_items[:2]
+            a = planner.resolve_tensor(first).detach()
+            b = planner.resolve_tensor(second).detach()
+            seen["slots"] = [type(a), type(b)]
+            monkeypatch.setattr(load_planner._UploadRing, "upload", failing)
+            with pytest.raises(RuntimeError, match="device lost"):
+                planner.commit_tensor(second, b)
+            target = planner._targets[first.dest_index.fqn]
+            remaining = target.remaining
+            with pytest.raises(RuntimeError, match="already failed"):
+                planner.commit_tensor(first, a)
+            seen["counted"] = target.remaining != remaining
+            with pytest.raises(RuntimeError, match="already failed"):
+                planner.resolve_tensor(ours_items[2])
+            seen["rings"] = dict(planner._rings)
+            raise OSError("stopped after the failure")
+
+    state = {"optim": ours.state()}
+    planner = StreamingLoadPlanner(state["optim"])
+    with (
+        pytest.raises(CheckpointException, match="stopped after the failure"),
+        no_template(ours.opt),
+    ):
+        dcp.load(state, storage_reader=TwoAtOnce(str(tmp_path)), planner=planner)
+    assert seen == {"slots": [load_planner._Slot] * 2, "counted": False, "rings": {}}
+    assert [ring.buffers for ring in ring_on_cpu] == [[]]
+    assert "0 of" in planner.progress

@@ -129,8 +129,10 @@ class _Slot(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func is torch.Tensor.copy_ and len(args) == 2 and not kwargs:
-            dst, src = args
+        if func is torch.Tensor.copy_ and len(args) in (2, 3) and set(kwargs) <= {"non_blocking"}:
+            # dst.copy_(src) and dst.copy_(src, non_blocking): into host memory a copy is
+            # complete when it returns either way.
+            dst, src = args[:2]
             with torch._C.DisableTorchFunctionSubclass():
                 if isinstance(src, torch.Tensor) and not _converts_alike(dst, src):
                     src = src.to(dst.dtype)
@@ -562,6 +564,7 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         #: Why an adapter loaded through the template path instead (empty: none did).
         self.fallbacks: list[str] = []
         self._slot_bytes = 0
+        self._failed: str | None = None  # the first state whose read or write failed
         self._rings: dict[torch.device, _UploadRing] = {}
         self._pending: dict[ReadItem, tuple[_UploadRing, int, torch.Tensor]] = {}
         #: Where the load's time went, for benchmarks: seconds inside ``resolve_tensor`` and
@@ -770,6 +773,7 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         with self._lock:
             start = time.perf_counter()
             try:
+                self._stop_after_failure()
                 self._start(target)
                 if target.live is not None:
                     # The reader copies the item into the live region, or into a ring slot
@@ -796,6 +800,7 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         with self._lock:
             start = time.perf_counter()
             try:
+                self._stop_after_failure()
                 assert target.remaining is not None
                 pending = self._pending.pop(read_item, None)
                 if pending is not None:
@@ -880,7 +885,15 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
             f"{len(targets) - loaded - partly} not started"
         )
 
+    def _stop_after_failure(self) -> None:
+        """Refuses every read after a failure: a reader on several threads may still resolve or
+        commit items, and the failure let the rings go, so their uploads could not happen."""
+        if self._failed is not None:
+            raise RuntimeError(f"the load already failed at {self._failed}")
+
     def _failure(self, target: _Target, exc: BaseException) -> RuntimeError:
+        if self._failed is None:
+            self._failed = str(target.dcp_key)
         also = ""
         try:
             self._close_rings()  # no upload outlives the failed load
