@@ -43,6 +43,7 @@ from te_ckpt_placement.dcp.lazy_state import released_after_write
 from .support import dcp_save_checks as checks
 from .support.backends import CPU
 from .support.distributed import init_gloo_mesh, spawn
+from .support.faults import nth_call_raises
 from .support.helpers import assert_same_export, bits, local, snapshot, tensors
 
 pytestmark = pytest.mark.usefixtures("hooked_standin")
@@ -284,14 +285,7 @@ def test_streaming_writer_failure_keeps_previous_checkpoint(
     case.train(1, seed=9)
     before = snapshot(case.opt)
     original = engine.materialize
-    calls = [0]
-
-    def failing(source: Any, **kwargs: Any) -> torch.Tensor:
-        calls[0] += 1
-        if calls[0] == 4:
-            raise checks.InjectedError("injected write failure")
-        return original(source, **kwargs)
-
+    failing = nth_call_raises(4, checks.InjectedError("injected write failure"), original)
     monkeypatch.setattr(engine, "materialize", failing)
     with pytest.raises(BaseException, match="injected write failure"):  # CheckpointException
         no_dist_save(

@@ -45,6 +45,7 @@ from te_ckpt_placement.dcp import lazy_state as lazy_state_module
 from . import distributed
 from .backends import Backend
 from .dcp_runs import set_global_grads, wait
+from .faults import nth_call_raises
 from .helpers import assert_same_export, bits, blank, local, snapshot
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -557,14 +558,8 @@ def check_failed_save(backend: Backend, mesh: DeviceMesh, root: Path) -> None:
     before = snapshot(case.opt)
 
     original = engine.materialize
-    calls = [0]
-
-    def failing(source: Any, **kwargs: Any) -> torch.Tensor:
-        calls[0] += 1
-        if r == 1 and calls[0] == 3:
-            raise InjectedError("injected write failure")
-        return original(source, **kwargs)
-
+    error = InjectedError("injected write failure")
+    failing = nth_call_raises(3, error, original) if r == 1 else original
     engine.materialize = failing  # type: ignore[assignment]
     try:
         failed = False
