@@ -433,6 +433,12 @@ def checkpoint_bytes(checkpoint: dict[str, Any]) -> int:
     return total
 
 
+def load_bound(written: int, read: int, bw: dict[str, float]) -> float:
+    """T*_load = max(R / B_h2d, I / B_host_read): ``written`` bytes to the GPU, ``read`` bytes of
+    the checkpoint on the host, with both bandwidths measured in the same run."""
+    return max(written / bw["h2d"], read / bw["host_read"])
+
+
 def load_case(
     opt: Any, base: dict[str, Any], bw: dict[str, float], *, device: str, largest: int
 ) -> list[dict[str, Any]]:
@@ -446,7 +452,7 @@ def load_case(
         checkpoint = opt.state_dict()
     read_bytes = checkpoint_bytes(checkpoint)
     written = base["raw_bytes"]
-    bound = max(written / bw["h2d"], read_bytes / bw["host_read"])
+    bound = load_bound(written, read_bytes, bw)
     common = {
         "read_bytes": read_bytes,
         "written_bytes": written,

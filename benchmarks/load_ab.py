@@ -67,7 +67,7 @@ def measure_size(
         checkpoint = opt.state_dict()
     read_bytes = em.checkpoint_bytes(checkpoint)
     written, _ = em.state_bytes(opt)
-    bound = max(written / bw["h2d"], read_bytes / bw["host_read"])
+    bound = em.load_bound(written, read_bytes, bw)
     with export_placement(None):
         _, te = em.timed(lambda: opt.load_state_dict(checkpoint), host="high_water", cuda=cuda)
     reference = em.live_snapshot(opt)
