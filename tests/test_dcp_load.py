@@ -480,7 +480,7 @@ def test_a_slot_holds_the_bits_of_torchs_copy_to_the_device(name: str) -> None:
     # host, made contiguous, then a plain copy of those bytes.
     expected = src.to(dtype).contiguous()
     ring = load_planner._UploadRing(torch.device("cpu"), 4096)
-    slot = ring.take(expected.numel() * 2)
+    slot = ring.take()
     assert slot is not None
     target = ring.view(slot, tuple(src.shape), dtype).detach()  # as FileSystemReader does
     target.copy_(src)
@@ -495,7 +495,7 @@ def test_a_slot_keeps_the_bits_when_the_reader_copies_non_blocking(how: str) -> 
     src = sources()["transposed"]
     expected = src.to(torch.bfloat16).contiguous()
     ring = load_planner._UploadRing(torch.device("cpu"), 4096)
-    slot = ring.take(expected.numel() * 2)
+    slot = ring.take()
     assert slot is not None
     target = ring.view(slot, tuple(src.shape), torch.bfloat16).detach()
     if how == "keyword":
@@ -518,7 +518,7 @@ def test_a_slot_is_reused_only_after_its_upload_completed() -> None:
     assert ring.nbytes == load_planner.UPLOAD_SLOTS * 64
     taken = []
     for _ in range(5):
-        slot = ring.take(64)
+        slot = ring.take()
         assert slot is not None
         event = ring.events[slot]
         # Every upload previously recorded on this slot was waited for before it was lent again.
@@ -528,9 +528,9 @@ def test_a_slot_is_reused_only_after_its_upload_completed() -> None:
         assert ring.events[slot].recorded > ring.events[slot].waited  # queued, not waited yet
     assert taken == [i % load_planner.UPLOAD_SLOTS for i in range(5)]
     # Slots handed out and not committed are never lent twice; with all lent, none is.
-    lent = [ring.take(64) for _ in range(load_planner.UPLOAD_SLOTS)]
+    lent = [ring.take() for _ in range(load_planner.UPLOAD_SLOTS)]
     assert sorted(lent) == list(range(load_planner.UPLOAD_SLOTS))  # type: ignore[type-var]
-    assert ring.take(64) is None
+    assert ring.take() is None
     ring.close()
     assert ring.buffers == [] and not any(ring.queued) and not any(ring.lent)
 

@@ -178,7 +178,6 @@ class _UploadRing:
 
     def __init__(self, device: torch.device, slot_bytes: int) -> None:
         self.device = device
-        self.slot_bytes = slot_bytes
         cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if cuda else None
         self.buffers = [
@@ -196,8 +195,8 @@ class _UploadRing:
     def nbytes(self) -> int:
         return sum(b.numel() for b in self.buffers)
 
-    def take(self, nbytes: int) -> int | None:
-        """A free slot for ``nbytes``, once its previous upload completed; None if all are lent."""
+    def take(self) -> int | None:
+        """A free slot, once its previous upload completed; None if all are lent."""
         for k in range(UPLOAD_SLOTS):
             slot = (self._turn + k) % UPLOAD_SLOTS
             if not self.lent[slot]:
@@ -828,7 +827,7 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         if ring is None:
             ring = self._rings[device] = _UploadRing(device, self._slot_bytes)
             self.stats["ring_host_bytes"] += ring.nbytes
-        slot = ring.take(nbytes)
+        slot = ring.take()
         if slot is None:
             return None  # a reader that resolves several items before it commits them
         self._pending[read_item] = (ring, slot, region)
