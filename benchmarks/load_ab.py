@@ -19,6 +19,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--moments", choices=tuple(em.MOMENTS), default="bf16")
     parser.add_argument("--master", choices=em.MASTERS, default="remainder")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="also time the host conversion alone, the copies alone, and both at once",
+    )
     args = parser.parse_args(argv)
+    if args.phases and args.device != "cuda":
+        parser.error("--phases times host-to-device copies: it needs --device cuda")
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: valid values are >= 1")
     return args
@@ -115,6 +123,128 @@ def measure_size(
     return records
 
 
+def copy_sizes(opt: Any, checkpoint: dict[str, Any]) -> list[int]:
+    """The byte count of every host-to-device copy one placed load issues, in order."""
+    from te_ckpt_placement import engine, export_placement
+
+    sizes: list[int] = []
+    real = engine._Stager.copy_async
+
+    def counting(self: Any, i: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+        sizes.append(src.numel() * src.element_size())
+        real(self, i, dst, src)
+
+    engine._Stager.copy_async = counting  # type: ignore[method-assign]
+    try:
+        with export_placement("cpu"):
+            opt.load_state_dict(checkpoint)
+    finally:
+        engine._Stager.copy_async = real  # type: ignore[method-assign]
+    return sizes
+
+
+def measure_phases(n: int, args: argparse.Namespace, bw: dict[str, float]) -> list[dict[str, Any]]:
+    """Whether the load's host conversion and its copies overlap, at the default chunk.
+
+    Times, in each round: the placed load (``pipeline``); the same load with every copy dropped
+    (``convert_only``: the host work alone); the load's copies alone, replayed from pinned buffers
+    into a device buffer (``copy_only``); and that replay queued on its own stream while the
+    ``convert_only`` load runs (``both``). ``both`` near max(convert, copy) means the two can
+    share the host; near their sum, that they contend for it. The pipeline is then checked
+    bit for bit against TE's load.
+    """
+    from te_ckpt_placement import engine, export_placement
+
+    m = min(64 * em.MI, n // 8)
+    _, opt = em.build(n, m, em.MOMENTS[args.moments], master=args.master)
+    with export_placement("cpu"):
+        checkpoint = opt.state_dict()
+    written, _ = em.state_bytes(opt)
+    bound = em.load_bound(written, em.checkpoint_bytes(checkpoint), bw)
+    with export_placement(None):
+        opt.load_state_dict(checkpoint)
+    reference = em.live_snapshot(opt)
+    sizes = copy_sizes(opt, checkpoint)
+    chunk = engine.CHUNK_BYTES
+    pinned = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(engine.RING)]
+    target = torch.empty(chunk, dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.Stream()
+
+    def replay() -> None:
+        with torch.cuda.stream(stream):
+            for i, nbytes in enumerate(sizes):
+                target[:nbytes].copy_(pinned[i % engine.RING][:nbytes], non_blocking=True)
+
+    def load() -> None:
+        with export_placement("cpu"):
+            opt.load_state_dict(checkpoint)
+
+    def convert_only() -> None:
+        real = engine._Stager.copy_async
+        engine._Stager.copy_async = lambda *a: None  # type: ignore[method-assign,assignment]
+        try:
+            load()
+        finally:
+            engine._Stager.copy_async = real  # type: ignore[method-assign]
+
+    def both() -> None:
+        replay()
+        convert_only()
+
+    def clock(fn: Any) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    records = []
+    for round_ in range(args.rounds):
+        for phase, fn in (
+            ("pipeline", load),
+            ("convert_only", convert_only),
+            ("copy_only", replay),
+            ("both", both),
+        ):
+            seconds = clock(fn)
+            records.append(
+                {
+                    "op": "load_phase",
+                    "phase": phase,
+                    "moments": args.moments,
+                    "master": args.master,
+                    "n_elements": n,
+                    "round": round_,
+                    "chunk_mib": chunk // em.MI,
+                    "torch_threads": torch.get_num_threads(),
+                    "copies": len(sizes),
+                    "copied_bytes": sum(sizes),
+                    "bound_seconds": bound,
+                    "seconds": seconds,
+                    "seconds_over_bound": seconds / bound,
+                }
+            )
+            print(
+                f"N={n / em.G:.2f}G round {round_} {phase:12s}: {seconds:.3f} s = "
+                f"{seconds / bound:.2f} x T* ({bound:.3f} s)",
+                flush=True,
+            )
+    load()
+    assert em.same_bits(em.live_snapshot(opt), reference), "differs from TE's load"
+    return records
+
+
+def phase_summary(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (N, phase): the median seconds."""
+    groups: dict[tuple[int, str], list[float]] = {}
+    for r in records:
+        groups.setdefault((r["n_elements"], r["phase"]), []).append(r["seconds"])
+    return [
+        {"n_elements": n, "phase": p, "median_seconds": statistics.median(v)}
+        for (n, p), v in sorted(groups.items())
+    ]
+
+
 def summary(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (N, chunk, threads): best and median time over the bound."""
     groups: dict[tuple[int, int, int], list[float]] = {}
@@ -145,11 +275,12 @@ def main(argv: list[str] | None = None) -> int:
         int(float(s) * em.G) if cuda else int(float(s) * 4 * em.MI) for s in args.sizes.split(",")
     ]
     records = [r for n in sizes for r in measure_size(n, args, bw, cuda)]
+    phases = [r for n in sizes for r in measure_phases(n, args, bw)] if args.phases else []
     out = {
         "machine": em.machine() if cuda else {"device": "cpu"},
         "bandwidths_bytes_per_s": bw,
-        "records": records,
-        "summary": summary(records),
+        "records": records + phases,
+        "summary": summary(records) + phase_summary(phases),
     }
     for row in out["summary"]:
         print(row, flush=True)
