@@ -235,14 +235,25 @@ def measure_phases(n: int, args: argparse.Namespace, bw: dict[str, float]) -> li
 
 
 def phase_summary(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (N, phase): the median seconds."""
-    groups: dict[tuple[int, str], list[float]] = {}
+    """Per (N, phase): the median seconds, and over the bound."""
+    groups: dict[tuple[int, str], list[dict[str, Any]]] = {}
     for r in records:
-        groups.setdefault((r["n_elements"], r["phase"]), []).append(r["seconds"])
-    return [
-        {"n_elements": n, "phase": p, "median_seconds": statistics.median(v)}
-        for (n, p), v in sorted(groups.items())
-    ]
+        groups.setdefault((r["n_elements"], r["phase"]), []).append(r)
+    rows = []
+    for (n, phase), group in sorted(groups.items()):
+        median = statistics.median(r["seconds"] for r in group)
+        bound = group[0]["bound_seconds"]
+        rows.append(
+            {
+                "n_elements": n,
+                "phase": phase,
+                "loads": len(group),
+                "median_seconds": median,
+                "bound_seconds": bound,
+                "median_over_bound": median / bound,
+            }
+        )
+    return rows
 
 
 def summary(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

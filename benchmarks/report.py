@@ -277,6 +277,20 @@ SECTIONS: list[tuple[str, str, str, str]] = [
         "`OMP_NUM_THREADS=1` gives.",
     ),
     (
+        "Loads: staging chunk and phases on the 2x H200 hosts",
+        "h200x2_load_ab.json",
+        "generic:run,op,n_elements,chunk_mib,torch_threads,phase,loads,best_over_bound,"
+        "median_over_bound,median_seconds,bound_seconds,te_seconds",
+        "`benchmarks/load_ab.py` on two 2x H200 hosts (32 cores) one call apart, the same load "
+        "(BF16 moments, int16 remainders), every load checked against TE's. Run 0: staging "
+        "chunks of 1-16 MiB at 16 and 32 threads; smaller chunks are slower, by 70-120 us per "
+        "extra chunk. Run 1 (`--phases`): the host conversion alone "
+        "(`convert_only`), the copies alone (`copy_only`), both at once (`both`) and the load "
+        "(`pipeline`). Run 1's host converted at half run 0's rate; there the conversion alone "
+        "took 1.5-2.5 x T*_load, and the copies slowed it further when they ran at the same "
+        "time.",
+    ),
+    (
         "DCP streaming load: memory",
         "h200x2_dcp_load_bounds.json",
         "generic:mode,rank,n_elements,max_elements,peak_extra_gpu_bytes,peak_extra_host_bytes",
