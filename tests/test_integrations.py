@@ -734,6 +734,84 @@ def test_load_sharded_equals_accelerates_sharded_load(tmp_path: Path) -> None:
     assert _loaded(ours) == _loaded(reference)
 
 
+def _full_load_rank(rank: int, port: int, path: str, fail: str, out: str) -> None:
+    """One rank of a 2-rank ``load_full`` in which rank 1 fails at ``fail`` ("read", "load")."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint.state_dict as sd
+
+    from te_ckpt_placement.integrations import _resume
+
+    from .support.distributed import init_group
+
+    init_group(rank, port, backend="gloo", timeout_s=30)
+    dist.barrier = _no_barrier  # type: ignore[assignment]
+    if rank == 1 and fail == "read":
+
+        def unreadable(*args: Any, **kwargs: Any) -> Any:
+            raise OSError("injected: the mapped file went away")
+
+        _resume.host_load = unreadable  # type: ignore[assignment]
+    if rank == 1 and fail == "load":
+
+        def refused(*args: Any, **kwargs: Any) -> None:
+            raise KeyError("injected: set_optimizer_state_dict failed")
+
+        sd.set_optimizer_state_dict = refused  # type: ignore[assignment]
+    model, optimizer = _two_group_adam(seed=1)
+    model(torch.randn(2, 5)).sum().backward()
+    optimizer.step()  # states of its own, which a load would replace
+    before = _loaded(optimizer)
+    options = sd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    error: BaseException | None = None
+    try:
+        with _resume.host_group() as group:
+            _resume.load_full(model, optimizer, path, options, group)
+    except Exception as exc:
+        error = exc
+    notes = getattr(error, "__notes__", [])
+    result = {
+        "error": None if error is None else type(error).__name__,
+        "message": "" if error is None else "\n".join([str(error), *notes]),
+        "unchanged": _loaded(optimizer) == before,
+    }
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("one_rank_group")
+@pytest.mark.parametrize("fail", ["read", "load"])
+def test_load_full_fails_on_every_rank_when_one_fails(tmp_path: Path, fail: str) -> None:
+    # Rank 1 cannot read the checkpoint ("read") or fails in set_optimizer_state_dict ("load").
+    # Every rank must raise (none may wait for the other at a barrier); after a failed read no
+    # rank has loaded anything, and after a failed load the error says which ranks loaded.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    from .support.distributed import spawn
+
+    model, optimizer = _two_group_adam(seed=0)
+    for _ in range(2):
+        model(torch.randn(2, 5)).sum().backward()
+        optimizer.step()
+    full = StateDictOptions(full_state_dict=True)
+    path = tmp_path / "optimizer.bin"
+    torch.save(get_optimizer_state_dict(model, optimizer, options=full), path)
+    spawn(_full_load_rank, str(path), fail, str(tmp_path))
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert rank0["error"] == "RuntimeError"
+    if fail == "read":
+        assert rank1["error"] == "OSError"
+        assert "rank 1: OSError: injected: the mapped file went away" in rank0["message"]
+        assert "Nothing was loaded on any rank" in rank0["message"]
+        assert rank0["unchanged"] and rank1["unchanged"]
+    else:
+        assert rank1["error"] == "KeyError"
+        assert "rank 1: KeyError" in rank0["message"]
+        assert "The ranks not listed loaded the checkpoint" in rank0["message"]
+        assert not rank0["unchanged"]  # rank 0 loaded, as its error says
+    if sys.version_info >= (3, 11):  # the failed rank's own error carries the outcome as a note
+        assert "rank 1:" in rank1["message"]
+
+
 # --- resume: the host's threads shared among its ranks --------------------------------------------
 
 

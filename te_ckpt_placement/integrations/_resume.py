@@ -232,9 +232,15 @@ def load_full(model: Any, optimizer: Any, path: str, options: Any, group: Any) -
     shared checkpoint directory); returns False, having loaded nothing, when some rank cannot
     read it.
 
+    The ranks agree before any of them changes its optimizer: if reading or checking the
+    checkpoint fails on one rank, every rank raises and none has loaded anything. If loading
+    the checked template fails on some rank, every rank raises too, and the error names the
+    ranks that loaded the checkpoint and those that failed.
+
     Raises:
-        ValueError: a state's global shape differs from the checkpoint's; the optimizer is
-            unchanged.
+        ValueError: a state's global shape differs from the checkpoint's (on every rank); the
+            optimizer is unchanged.
+        RuntimeError: on the ranks where nothing failed, when another rank failed.
     """
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import (
@@ -247,18 +253,95 @@ def load_full(model: Any, optimizer: Any, path: str, options: Any, group: Any) -
     dist.all_gather_object(seen, readable, group=group)
     if not all(seen):
         return False
-    full = host_load(path, mmap=True)
     local = dataclasses.replace(options, full_state_dict=False, broadcast_from_rank0=False)
-    template = get_optimizer_state_dict(model, optimizer, options=local)
-    merged = _fill_from_full(template, full, path)
-    del template, full
-    set_optimizer_state_dict(model, optimizer, merged, options=local)
-    del merged
-    host_barrier(group)
+    plan: _FullLoad | None = None
+    failure: Exception | None = None
+    try:
+        full = host_load(path, mmap=True)
+        template = get_optimizer_state_dict(model, optimizer, options=local)
+        plan = _check_full(template, full, path)
+        del template, full
+    except Exception as exc:  # every rank learns of it below, before any rank loads
+        failure = exc
+    _agree(
+        failure,
+        group,
+        f"cannot load the optimizer checkpoint {path}",
+        "Nothing was loaded on any rank; the optimizer is unchanged.",
+    )
+    assert plan is not None  # this rank failed otherwise, and _agree raised
+    try:
+        set_optimizer_state_dict(model, optimizer, plan.apply(), options=local)
+    except Exception as exc:
+        failure = exc
+    del plan
+    _agree(
+        failure,
+        group,
+        f"loading the optimizer checkpoint {path} failed on some ranks",
+        "The ranks not listed loaded the checkpoint; the failed ranks' optimizers may be "
+        "partly loaded, so the ranks now differ: resume again from a checkpoint.",
+    )
     return True
 
 
-def _fill_from_full(template: dict[str, Any], full: dict[str, Any], path: str) -> dict[str, Any]:
+def _agree(failure: Exception | None, group: Any, what: str, consequence: str) -> None:
+    """Raises on every rank of ``group`` when ``failure`` is set on any (a collective).
+
+    A failed rank re-raises its own error (with ``consequence`` as a note where Python has
+    ``add_note``); the others raise a RuntimeError that names each failed rank and its error.
+    The exchange is also the ranks' synchronization point, on the host.
+    """
+    import torch.distributed as dist
+
+    outcome = None if failure is None else f"{type(failure).__name__}: {failure}"
+    seen: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(seen, outcome, group=group)
+    failed = [(rank, message) for rank, message in enumerate(seen) if message is not None]
+    if not failed:
+        return
+    listed = "; ".join(f"rank {rank}: {message}" for rank, message in failed)
+    if failure is not None:
+        if hasattr(failure, "add_note"):  # Python >= 3.11
+            failure.add_note(f"te_ckpt_placement: {what} ({listed}). {consequence}")
+        raise failure
+    raise RuntimeError(f"{what} ({listed}). {consequence}")
+
+
+@dataclasses.dataclass
+class _FullLoad:
+    """A checked full-state load: the template flattened, and each shard copy still to make.
+
+    The template's tensors are the optimizer's live states, so nothing is copied before
+    :meth:`apply`.
+    """
+
+    flat: dict[str, Any]
+    paths: dict[str, Any]
+    copies: list[tuple[torch.Tensor, torch.Tensor]]
+
+    def apply(self) -> dict[str, Any]:
+        """Copies each rank's shard into the template; returns the state dict to load."""
+        from torch.distributed._state_dict_utils import _unflatten_state_dict
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        for value, source in self.copies:
+            if isinstance(value, DTensor):
+                shape, offset = compute_local_shape_and_global_offset(
+                    value.shape, value.device_mesh, value.placements
+                )
+                index = tuple(slice(o, o + s) for s, o in zip(shape, offset, strict=True))
+                value.to_local().copy_(source[index])
+            else:
+                value.copy_(source)
+        merged: dict[str, Any] = _unflatten_state_dict(self.flat, self.paths)
+        for group in merged.get("param_groups", []):
+            group.setdefault("params", [])  # torch's too: flattening drops empty lists
+        return merged
+
+
+def _check_full(template: dict[str, Any], full: dict[str, Any], path: str) -> _FullLoad:
     """What torch's full-state load hands the optimizer, with each rank's shard copied on the host.
 
     torch (``_load_optim_state_dict`` with ``full_state_dict``) matches the saved groups to the
@@ -268,14 +351,13 @@ def _fill_from_full(template: dict[str, Any], full: dict[str, Any], path: str) -
     does the same, except that a state tensor's shard is sliced from the mapped checkpoint into
     the template's tensor instead of broadcast from rank 0 through GPU memory. Values the
     checkpoint lacks keep the template's; saved tensors the template has no state for are left
-    out (every rank but 0 drops them in torch's broadcast load).
+    out (every rank but 0 drops them in torch's broadcast load). Checks every state first;
+    the returned plan copies when applied.
 
     Raises:
         ValueError: a state's global shape differs from the checkpoint's.
     """
-    from torch.distributed._state_dict_utils import _flatten_state_dict, _unflatten_state_dict
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed._state_dict_utils import _flatten_state_dict
 
     saved_states = full.get("state", {})
     saved = {
@@ -302,19 +384,7 @@ def _fill_from_full(template: dict[str, Any], full: dict[str, Any], path: str) -
                 "was loaded; the optimizer is unchanged."
             )
         copies.append((value, source))
-    for value, source in copies:
-        if isinstance(value, DTensor):
-            shape, offset = compute_local_shape_and_global_offset(
-                value.shape, value.device_mesh, value.placements
-            )
-            index = tuple(slice(o, o + s) for s, o in zip(shape, offset, strict=True))
-            value.to_local().copy_(source[index])
-        else:
-            value.copy_(source)
-    merged: dict[str, Any] = _unflatten_state_dict(flat, paths)
-    for group in merged.get("param_groups", []):
-        group.setdefault("params", [])  # torch's too: flattening drops empty lists
-    return merged
+    return _FullLoad(flat, paths, copies)
 
 
 def _groups_by_fqn(
