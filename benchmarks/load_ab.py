@@ -38,6 +38,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sizes", default="0.5,1", help="N in G local elements, comma-separated")
     parser.add_argument("--chunks", default="16,64", help="staging chunk sizes in MiB")
     parser.add_argument("--threads", default="0,16", help="torch threads (0: torch's default)")
+    parser.add_argument("--rings", default="3", help="staging buffers in the ring (engine.RING)")
     parser.add_argument("--moments", choices=tuple(em.MOMENTS), default="bf16")
     parser.add_argument("--master", choices=em.MASTERS, default="remainder")
     parser.add_argument("--rounds", type=int, default=3)
@@ -54,13 +55,52 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def variants(args: argparse.Namespace) -> list[tuple[int, int]]:
-    """(chunk MiB, threads) pairs, in the order each round runs them."""
+def variants(args: argparse.Namespace) -> list[tuple[int, int, int]]:
+    """(chunk MiB, threads, ring) triples, in the order each round runs them."""
     chunks = [int(c) for c in args.chunks.split(",") if c]
     threads = [int(t) for t in args.threads.split(",") if t]
+    rings = [int(r) for r in args.rings.split(",") if r]
     if not chunks or min(chunks) < 1 or not threads or min(threads) < 0:
         raise SystemExit("--chunks: MiB >= 1; --threads: >= 0 (0: torch's default)")
-    return [(c, t) for c in chunks for t in threads]
+    if not rings or min(rings) < 2:
+        raise SystemExit("--rings: >= 2 (one buffer fills while another is copied)")
+    return [(c, t, r) for c in chunks for t in threads for r in rings]
+
+
+def set_ring(depth: int) -> None:
+    """Sets engine.RING; stagers are built with RING buffers, so the idle ones are dropped."""
+    from te_ckpt_placement import engine
+
+    if depth != engine.RING:
+        engine.clear_pinned_pool()
+        engine.RING = depth
+
+
+class WaitClock:
+    """Inside ``with``: adds the time the host spends waiting for staging buffers to
+    ``seconds`` (``engine._Stager.wait``: a buffer's previous copy to the device)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._real: Any = None
+
+    def __enter__(self) -> WaitClock:
+        from te_ckpt_placement import engine
+
+        real = self._real = engine._Stager.wait
+
+        def wait(stager: Any, i: int) -> None:
+            start = time.perf_counter()
+            real(stager, i)
+            self.seconds += time.perf_counter() - start
+
+        engine._Stager.wait = wait  # type: ignore[method-assign,assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from te_ckpt_placement import engine
+
+        engine._Stager.wait = self._real  # type: ignore[method-assign]
 
 
 def measure_size(
@@ -79,14 +119,21 @@ def measure_size(
     with export_placement(None):
         _, te = em.timed(lambda: opt.load_state_dict(checkpoint), host="high_water", cuda=cuda)
     reference = em.live_snapshot(opt)
-    default_threads, default_chunk = torch.get_num_threads(), engine.CHUNK_BYTES
+    default_threads, default_chunk, default_ring = (
+        torch.get_num_threads(),
+        engine.CHUNK_BYTES,
+        engine.RING,
+    )
     records = []
+    waited = WaitClock()
     try:
         for round_ in range(args.rounds):
-            for chunk_mib, threads in variants(args):
+            for chunk_mib, threads, ring in variants(args):
                 engine.CHUNK_BYTES = chunk_mib * em.MI
+                set_ring(ring)
                 torch.set_num_threads(threads or default_threads)
-                with export_placement("cpu"):
+                waited.seconds = 0.0
+                with export_placement("cpu"), waited:
                     _, result = em.timed(
                         lambda: opt.load_state_dict(checkpoint), host="high_water", cuda=cuda
                     )
@@ -102,6 +149,8 @@ def measure_size(
                         "round": round_,
                         "chunk_mib": chunk_mib,
                         "torch_threads": torch.get_num_threads(),
+                        "ring": ring,
+                        "host_wait_seconds": waited.seconds,
                         "read_bytes": read_bytes,
                         "written_bytes": written,
                         "bound_seconds": bound,
@@ -113,12 +162,14 @@ def measure_size(
                 r = records[-1]
                 print(
                     f"N={n / em.G:.2f}G round {round_} chunk {chunk_mib:4d} MiB threads "
-                    f"{r['torch_threads']:3d}: {r['seconds']:.3f} s = "
-                    f"{r['seconds_over_bound']:.2f} x T* ({bound:.3f} s)",
+                    f"{r['torch_threads']:3d} ring {ring}: {r['seconds']:.3f} s = "
+                    f"{r['seconds_over_bound']:.2f} x T* ({bound:.3f} s), host waited "
+                    f"{waited.seconds:.3f} s",
                     flush=True,
                 )
     finally:
         engine.CHUNK_BYTES = default_chunk
+        set_ring(default_ring)
         torch.set_num_threads(default_threads)
     return records
 
@@ -149,9 +200,10 @@ def measure_phases(n: int, args: argparse.Namespace, bw: dict[str, float]) -> li
     Times, in each round: the placed load (``pipeline``); the same load with every copy dropped
     (``convert_only``: the host work alone); the load's copies alone, replayed from pinned buffers
     into a device buffer (``copy_only``); and that replay queued on its own stream while the
-    ``convert_only`` load runs (``both``). ``both`` near max(convert, copy) means the two can
-    share the host; near their sum, that they contend for it. The pipeline is then checked
-    bit for bit against TE's load.
+    ``convert_only`` load runs (``both``); and the load with each copy waited for before the
+    next conversion (``serial``: no overlap at all). ``both`` near max(convert, copy) means the
+    two can share the host; near their sum, that they contend for it. The pipeline is then
+    checked bit for bit against TE's load.
     """
     from te_ckpt_placement import engine, export_placement
 
@@ -191,6 +243,19 @@ def measure_phases(n: int, args: argparse.Namespace, bw: dict[str, float]) -> li
         replay()
         convert_only()
 
+    def serial() -> None:
+        real = engine._Stager.copy_async
+
+        def copy_and_wait(stager: Any, i: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+            real(stager, i, dst, src)
+            stager.synchronize()
+
+        engine._Stager.copy_async = copy_and_wait  # type: ignore[method-assign,assignment]
+        try:
+            load()
+        finally:
+            engine._Stager.copy_async = real  # type: ignore[method-assign]
+
     def clock(fn: Any) -> float:
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -205,6 +270,7 @@ def measure_phases(n: int, args: argparse.Namespace, bw: dict[str, float]) -> li
             ("convert_only", convert_only),
             ("copy_only", replay),
             ("both", both),
+            ("serial", serial),
         ):
             seconds = clock(fn)
             records.append(
@@ -257,21 +323,23 @@ def phase_summary(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def summary(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (N, chunk, threads): best and median time over the bound."""
-    groups: dict[tuple[int, int, int], list[float]] = {}
+    """Per (N, chunk, threads, ring): best and median time over the bound, median host wait."""
+    groups: dict[tuple[int, int, int, int], list[dict[str, Any]]] = {}
     for r in records:
-        key = (r["n_elements"], r["chunk_mib"], r["torch_threads"])
-        groups.setdefault(key, []).append(r["seconds_over_bound"])
+        key = (r["n_elements"], r["chunk_mib"], r["torch_threads"], r["ring"])
+        groups.setdefault(key, []).append(r)
     return [
         {
             "n_elements": n,
             "chunk_mib": c,
             "torch_threads": t,
+            "ring": ring,
             "loads": len(v),
-            "best_over_bound": min(v),
-            "median_over_bound": statistics.median(v),
+            "best_over_bound": min(r["seconds_over_bound"] for r in v),
+            "median_over_bound": statistics.median(r["seconds_over_bound"] for r in v),
+            "median_host_wait_seconds": statistics.median(r["host_wait_seconds"] for r in v),
         }
-        for (n, c, t), v in sorted(groups.items())
+        for (n, c, t, ring), v in sorted(groups.items())
     ]
 
 
