@@ -266,6 +266,16 @@ SECTIONS: list[tuple[str, str, str, str]] = [
         " load was compared bit for bit with TE's own load of the same checkpoint.",
     ),
     (
+        "Loads from a host checkpoint: an earlier run on a slower host",
+        "h200x2_load_f1e687a.json",
+        "generic:moments,master,n_elements,max_elements,mode,peak_extra_gpu_bytes,"
+        "peak_extra_host_bytes,seconds,bound_seconds,seconds_over_bound,te_seconds,speedup_vs_te",
+        "The same sweep with the same load pipeline at commit f1e687a, on another 2x H200 "
+        "machine of the same kind whose host converted FP32 to BF16 at 68.8 GB/s (97.1 GB/s in "
+        "the run above). BF16 with int16 remainders took 2.19 and 2.06 x T*_load at 0.5 and 1 G "
+        "there (target 2 x).",
+    ),
+    (
         "Loads: host threads and staging chunk",
         "h200_load_ab.json",
         "generic:run,n_elements,chunk_mib,torch_threads,loads,best_over_bound,"
@@ -277,18 +287,19 @@ SECTIONS: list[tuple[str, str, str, str]] = [
         "`OMP_NUM_THREADS=1` gives.",
     ),
     (
-        "Loads: staging chunk and phases on the 2x H200 hosts",
+        "Loads: staging chunk, ring and phases on the 2x H200 hosts",
         "h200x2_load_ab.json",
-        "generic:run,op,n_elements,chunk_mib,torch_threads,phase,loads,best_over_bound,"
-        "median_over_bound,median_seconds,bound_seconds,te_seconds",
-        "`benchmarks/load_ab.py` on two 2x H200 hosts (32 cores) one call apart, the same load "
+        "generic:run,op,n_elements,chunk_mib,torch_threads,ring,phase,loads,best_over_bound,"
+        "median_over_bound,median_seconds,median_host_wait_seconds,bound_seconds,te_seconds",
+        "`benchmarks/load_ab.py` on three 2x H200 hosts (32 cores), one per run, the same load "
         "(BF16 moments, int16 remainders), every load checked against TE's. Run 0: staging "
         "chunks of 1-16 MiB at 16 and 32 threads; smaller chunks are slower, by 70-120 us per "
-        "extra chunk. Run 1 (`--phases`): the host conversion alone "
-        "(`convert_only`), the copies alone (`copy_only`), both at once (`both`) and the load "
-        "(`pipeline`). Run 1's host converted at half run 0's rate; there the conversion alone "
-        "took 1.5-2.5 x T*_load, and the copies slowed it further when they ran at the same "
-        "time.",
+        "extra chunk. Runs 1 and 2 (`--phases`): the host conversion alone (`convert_only`), "
+        "the copies alone (`copy_only`), both at once (`both`), each copy waited for before the "
+        "next conversion (`serial`, run 2) and the load (`pipeline`). Run 2 also varies the "
+        "ring's depth (3 is the default). The hosts converted FP32 to BF16 at 84, 41 and 95 "
+        "GB/s: the load is bound by the host's conversion, which the copies slow when they run "
+        "at the same time, and the host waited 2-5 ms per load for the copies.",
     ),
     (
         "DCP streaming load: memory",
