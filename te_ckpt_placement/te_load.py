@@ -761,11 +761,11 @@ def initialize_states(optimizer: Any) -> bool:
     parameter, then ``step()`` with its temporaries, all on the GPU. TE can build its states
     directly (``initialize_state``, TE 2.20.2 fused_adam.py L456-480, the call its own ``step``
     makes at L630-634), and torch skips its fake step for an optimizer that has state. Where TE
-    keeps only BF16 and FP32 (or int16 remainder) states, the values are made on the host
-    instead (:func:`_initialize_through_host`), since TE's initializer copies each FP32 master
-    on the GPU. Each group's ``"step"`` is counted as TE's step counts it (L571-587): a
-    flattened ``set_optimizer_state_dict`` loads only the group keys the live groups have, so
-    without the key the checkpoint's step count would be dropped.
+    keeps only BF16 and FP32 (or int16 remainder) states, the FP32 masters are copied from the
+    parameters in place (:func:`_initialize_in_place`), since TE's initializer makes an FP32
+    copy of each parameter first. Each group's ``"step"`` is counted as TE's step counts it
+    (L571-587): a flattened ``set_optimizer_state_dict`` loads only the group keys the live
+    groups have, so without the key the checkpoint's step count would be dropped.
 
     Returns:
         True if states were created; False (and nothing done) when the optimizer already has
@@ -778,7 +778,7 @@ def initialize_states(optimizer: Any) -> bool:
     unscaled = (torch.bfloat16, torch.float32)
     plain = all(type(local_of(p)) in (torch.Tensor, torch.nn.Parameter) for p in params)
     if plain and all(dtype in unscaled for dtype in optimizer.name_to_dtype_map.values()):
-        _initialize_through_host(optimizer)
+        _initialize_in_place(optimizer)
     else:
         for param in params:
             optimizer.initialize_state(
@@ -797,32 +797,28 @@ def initialize_states(optimizer: Any) -> bool:
     return True
 
 
-def _initialize_through_host(optimizer: Any) -> None:
-    """TE's ``initialize_state`` for every parameter, with the values made on the host.
+def _initialize_in_place(optimizer: Any) -> None:
+    """TE's ``initialize_state`` for every parameter, with each FP32 master written in place.
 
-    TE's own initializer copies each FP32 master from its parameter on the GPU
-    (``local_param.clone().detach().float()``, TE 2.20.2 fused_adam.py L474-478): a temporary of
-    6 bytes per element of the parameter. Here each state goes in through TE's
-    ``set_scaled_state`` from a host tensor (zeros for the moments and int16 remainders, the
-    parameter converted on the host for a master), which allocates only the state itself for
-    BF16 and FP32 states. The result is TE's initial state bit for bit.
+    TE's initializer (TE 2.20.2 fused_adam.py L456-480) makes the moments with
+    ``_initialize_state(zero_buffer=True)`` (L463-464), an int16 remainder master with
+    ``_initialize_state`` alone (zeros, L465-471 and L418-419), and an FP32 master as an empty
+    state filled from ``local_param.clone().detach().float()`` through ``set_scaled_state``
+    (L472-480): a temporary of 6 bytes per element of the parameter. Here the same calls make
+    every state, and the FP32 master is filled by ``copy_`` from the parameter, the same exact
+    widening on the device without the temporary. The result is TE's initial state bit for bit,
+    made on the state's device with nothing but the states allocated.
     """
     masters = bool(getattr(optimizer, "master_weights", False))
-    largest = max(
-        (local_of(p).numel() for g in optimizer.param_groups for p in g["params"]), default=0
-    )
-    zeros = torch.zeros(largest, dtype=torch.float32)
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            local = local_of(param)
-            zero = zeros[: local.numel()].view(local.shape)
-            optimizer.set_scaled_state(param, "exp_avg", zero)
-            optimizer.set_scaled_state(param, "exp_avg_sq", zero)
-            if not masters:
-                continue
-            if is_remainder(optimizer, param, "master_param"):
-                remainder = torch.zeros(local.shape, dtype=torch.int16)
-                optimizer.set_scaled_state(param, "master_param", remainder)
-            else:
-                host = local.detach().to("cpu").float()
-                optimizer.set_scaled_state(param, "master_param", host)
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                optimizer._initialize_state(param, "exp_avg", True)
+                optimizer._initialize_state(param, "exp_avg_sq", True)
+                if not masters:
+                    continue
+                remainder = is_remainder(optimizer, param, "master_param")
+                optimizer._initialize_state(param, "master_param", False, remainder)
+                if not remainder:
+                    master = local_of(optimizer.state[param]["master_param"])
+                    master.copy_(local_of(param).detach())

@@ -510,8 +510,9 @@ def test_module_launch_fails_clearly(tmp_path: Path, recipe: Any, fake: bool, me
 def test_resume_initialize_equals_te_initialize_state(
     moments: torch.dtype, master: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The host-built initial states (BF16/FP32 storage) are TE's initialize_state bit for bit;
-    # other storage goes through te_load.initialize_states itself.
+    # The initial states built in place (BF16/FP32 storage: TE's _initialize_state, FP32
+    # masters copied from the parameters) are TE's initialize_state bit for bit; other storage
+    # goes through TE's initialize_state itself.
     from te_ckpt_placement import export_placement, te_load
     from te_ckpt_placement.integrations import _resume
 
@@ -528,7 +529,7 @@ def test_resume_initialize_equals_te_initialize_state(
         for param in group["params"]:
             reference.initialize_state(param, master == "remainder")
     ours = build()
-    if moments != torch.float16:  # built on the host, not by TE's initializer (GPU temporaries)
+    if moments != torch.float16:  # built in place, not by TE's initializer (GPU temporaries)
 
         def on_gpu(param: Any, remainder: bool) -> None:
             raise AssertionError("TE's initialize_state used for BF16/FP32 storage")
