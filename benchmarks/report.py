@@ -351,7 +351,19 @@ SECTIONS: list[tuple[str, str, str, str]] = [
         "`benchmarks/trainer_resume.py`: a Llama of 168 M parameters (TE FusedAdam, BF16 moments, "
         "FP32 masters) saved with the integration, then resumed without (`te_default`) and with "
         "(`placement_cpu`) it. `peak_extra_gpu_bytes` is the GPU peak during the resume minus the "
-        "memory before it minus the live states the load added.",
+        "memory before it minus the live states the load added. torch's default threads (32); "
+        "each rank's resume caps them at its share of the cores.",
+    ),
+    (
+        "Trainer resumes under torchrun's default OMP_NUM_THREADS=1",
+        "h200x2_trainer_resume_omp1.json",
+        "generic:trainer_resume:framework,variant,world_size,rank,mode,n_elements,"
+        "peak_extra_gpu_bytes,live_state_bytes,peak_extra_host_bytes,seconds,states_equal_plain",
+        "`OMP_NUM_THREADS=1 benchmarks/trainer_resume.py --world-sizes 2`: the same resumes with "
+        "one host thread per rank, as torchrun starts ranks unless told otherwise. Placed "
+        "resumes took 0.19-0.87 x the plain time. Before the initial states were made on the "
+        "device (`h200x2_trainer_resume_omp1_2a4bca9.json`), the HF FSDP2 sharded resume took "
+        "1.01-1.02 x.",
     ),
     (
         "Soak",
