@@ -50,8 +50,16 @@ STATE_NAMES = ("exp_avg", "exp_avg_sq", "master_param")
 
 # Instance attributes of FusedAdam that the export and the load read (see the module docstring).
 REQUIRED_INSTANCE_ATTRS = ("name_to_dtype_map", "_scales", "store_param_remainders")
-# Class attributes the hooks replace or call.
-REQUIRED_CLASS_ATTRS = ("state_dict", "load_state_dict", "get_unscaled_state", "set_scaled_state")
+# Class attributes the hooks replace or call, and those the load and a resume's initial states
+# call (te_load: L397-455 ``_initialize_state``, L456-480 ``initialize_state``).
+REQUIRED_CLASS_ATTRS = (
+    "state_dict",
+    "load_state_dict",
+    "get_unscaled_state",
+    "set_scaled_state",
+    "_initialize_state",
+    "initialize_state",
+)
 _FP8_DTYPES = {"kFloat8E4M3": torch.float8_e4m3fn, "kFloat8E5M2": torch.float8_e5m2}
 
 

@@ -767,6 +767,9 @@ def initialize_states(optimizer: Any) -> bool:
     (L571-587): a flattened ``set_optimizer_state_dict`` loads only the group keys the live
     groups have, so without the key the checkpoint's step count would be dropped.
 
+    If making a state fails (out of memory, an interrupt), every state and scale made so far is
+    taken back before the error propagates, so the optimizer is as fresh as before.
+
     Returns:
         True if states were created; False (and nothing done) when the optimizer already has
         state or any parameter has a gradient, the cases where torch skips its fake step too.
@@ -777,13 +780,21 @@ def initialize_states(optimizer: Any) -> bool:
         return False
     unscaled = (torch.bfloat16, torch.float32)
     plain = all(type(local_of(p)) in (torch.Tensor, torch.nn.Parameter) for p in params)
-    if plain and all(dtype in unscaled for dtype in optimizer.name_to_dtype_map.values()):
-        _initialize_in_place(optimizer)
-    else:
+    try:
+        if plain and all(dtype in unscaled for dtype in optimizer.name_to_dtype_map.values()):
+            _initialize_in_place(optimizer)
+        else:
+            for param in params:
+                optimizer.initialize_state(
+                    param, bool(optimizer.store_param_remainders and param.dtype == torch.bfloat16)
+                )
+    except BaseException:
+        # An optimizer with some states would look initialized to the next attempt and to
+        # TE's step: take back every state and scale made so far.
         for param in params:
-            optimizer.initialize_state(
-                param, bool(optimizer.store_param_remainders and param.dtype == torch.bfloat16)
-            )
+            optimizer.state.pop(param, None)
+            optimizer._scales.pop(param, None)
+        raise
     for group in optimizer.param_groups:
         # TE L571-587: the counter of a step, also for an empty group.
         if "step" in group:
@@ -804,7 +815,7 @@ def _initialize_in_place(optimizer: Any) -> None:
     ``_initialize_state(zero_buffer=True)`` (L463-464), an int16 remainder master with
     ``_initialize_state`` alone (zeros, L465-471 and L418-419), and an FP32 master as an empty
     state filled from ``local_param.clone().detach().float()`` through ``set_scaled_state``
-    (L472-480): a temporary of 6 bytes per element of the parameter. Here the same calls make
+    (L472-480): a temporary of 6 bytes per element of a 16-bit parameter. Here the same calls make
     every state, and the FP32 master is filled by ``copy_`` from the parameter, the same exact
     widening on the device without the temporary. The result is TE's initial state bit for bit,
     made on the state's device with nothing but the states allocated.

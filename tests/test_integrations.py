@@ -746,9 +746,11 @@ def _full_load_rank(rank: int, port: int, path: str, fail: str, out: str) -> Non
 
     init_group(rank, port, backend="gloo", timeout_s=30)
     dist.barrier = _no_barrier  # type: ignore[assignment]
-    if rank == 1 and fail == "read":
+    if rank == 1 and fail in ("read", "interrupt"):
 
         def unreadable(*args: Any, **kwargs: Any) -> Any:
+            if fail == "interrupt":
+                raise KeyboardInterrupt
             raise OSError("injected: the mapped file went away")
 
         _resume.host_load = unreadable  # type: ignore[assignment]
@@ -767,7 +769,7 @@ def _full_load_rank(rank: int, port: int, path: str, fail: str, out: str) -> Non
     try:
         with _resume.host_group() as group:
             _resume.load_full(model, optimizer, path, options, group)
-    except Exception as exc:
+    except BaseException as exc:
         error = exc
     notes = getattr(error, "__notes__", [])
     result = {
@@ -780,9 +782,10 @@ def _full_load_rank(rank: int, port: int, path: str, fail: str, out: str) -> Non
 
 
 @pytest.mark.usefixtures("one_rank_group")
-@pytest.mark.parametrize("fail", ["read", "load"])
+@pytest.mark.parametrize("fail", ["read", "interrupt", "load"])
 def test_load_full_fails_on_every_rank_when_one_fails(tmp_path: Path, fail: str) -> None:
-    # Rank 1 cannot read the checkpoint ("read") or fails in set_optimizer_state_dict ("load").
+    # Rank 1 cannot read the checkpoint ("read"), is interrupted there ("interrupt"), or fails
+    # in set_optimizer_state_dict ("load").
     # Every rank must raise (none may wait for the other at a barrier); after a failed read no
     # rank has loaded anything, and after a failed load the error says which ranks loaded.
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -799,9 +802,10 @@ def test_load_full_fails_on_every_rank_when_one_fails(tmp_path: Path, fail: str)
     spawn(_full_load_rank, str(path), fail, str(tmp_path))
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert rank0["error"] == "RuntimeError"
-    if fail == "read":
-        assert rank1["error"] == "OSError"
-        assert "rank 1: OSError: injected: the mapped file went away" in rank0["message"]
+    if fail in ("read", "interrupt"):
+        expected = "OSError" if fail == "read" else "KeyboardInterrupt"
+        assert rank1["error"] == expected
+        assert f"rank 1: {expected}" in rank0["message"]
         assert "Nothing was loaded on any rank" in rank0["message"]
         assert rank0["unchanged"] and rank1["unchanged"]
     else:
@@ -811,6 +815,37 @@ def test_load_full_fails_on_every_rank_when_one_fails(tmp_path: Path, fail: str)
         assert not rank0["unchanged"]  # rank 0 loaded, as its error says
     if sys.version_info >= (3, 11):  # the failed rank's own error carries the outcome as a note
         assert "rank 1:" in rank1["message"]
+
+
+def test_agree_groups_ranks_with_the_same_error() -> None:
+    from te_ckpt_placement.integrations import _resume
+
+    assert _resume._ranks([3]) == "rank 3"
+    assert _resume._ranks([0, 1, 2, 5, 7, 8]) == "ranks 0-2, 5, 7-8"
+
+
+@pytest.mark.usefixtures("hooked_standin")
+def test_initialize_states_takes_back_what_it_made_when_it_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Out of memory (or an interrupt) part-way: no state or scale stays, so the next attempt
+    # and TE's step see a fresh optimizer, not one with half its states.
+    from te_ckpt_placement import te_load
+
+    from .support.faults import nth_call_raises
+    from .support.standin import make_optimizer
+
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Linear(4, 3)).to(torch.bfloat16)
+    optimizer = make_optimizer(model.parameters(), moments=torch.bfloat16, master="fp32")
+    failing = nth_call_raises(5, torch.OutOfMemoryError("injected"), optimizer._initialize_state)
+    monkeypatch.setattr(optimizer, "_initialize_state", failing)
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        te_load.initialize_states(optimizer)
+    assert not optimizer.state and not optimizer._scales
+    assert "step" not in optimizer.param_groups[0]
+    monkeypatch.undo()
+    assert te_load.initialize_states(optimizer)
+    assert len(optimizer.state) == 4 and optimizer.param_groups[0]["step"] == 1
 
 
 # --- resume: the host's threads shared among its ranks --------------------------------------------

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -255,24 +256,25 @@ def load_full(model: Any, optimizer: Any, path: str, options: Any, group: Any) -
         return False
     local = dataclasses.replace(options, full_state_dict=False, broadcast_from_rank0=False)
     plan: _FullLoad | None = None
-    failure: Exception | None = None
+    failure: BaseException | None = None
     try:
         full = host_load(path, mmap=True)
         template = get_optimizer_state_dict(model, optimizer, options=local)
         plan = _check_full(template, full, path)
         del template, full
-    except Exception as exc:  # every rank learns of it below, before any rank loads
+    except BaseException as exc:  # every rank learns of it below, before any rank loads
         failure = exc
     _agree(
         failure,
         group,
         f"cannot load the optimizer checkpoint {path}",
-        "Nothing was loaded on any rank; the optimizer is unchanged.",
+        "Nothing was loaded on any rank; the optimizer holds what it held before (an optimizer "
+        "that had no state may hold its initial states, as torch's template gives it).",
     )
     assert plan is not None  # this rank failed otherwise, and _agree raised
     try:
         set_optimizer_state_dict(model, optimizer, plan.apply(), options=local)
-    except Exception as exc:
+    except BaseException as exc:  # also an interrupt: the other ranks must not wait for it
         failure = exc
     del plan
     _agree(
@@ -285,35 +287,64 @@ def load_full(model: Any, optimizer: Any, path: str, options: Any, group: Any) -
     return True
 
 
-def _agree(failure: Exception | None, group: Any, what: str, consequence: str) -> None:
+def _agree(failure: BaseException | None, group: Any, what: str, consequence: str) -> None:
     """Raises on every rank of ``group`` when ``failure`` is set on any (a collective).
 
-    A failed rank re-raises its own error (with ``consequence`` as a note where Python has
-    ``add_note``); the others raise a RuntimeError that names each failed rank and its error.
-    The exchange is also the ranks' synchronization point, on the host.
+    A failed rank re-raises its own error, with the outcome as a note (Python >= 3.11) or, on
+    3.10, logged; the others raise a RuntimeError naming each failed rank (its rank in
+    ``group``) and its error, ranks with the same error together. The exchange is also the
+    ranks' synchronization point, on the host.
     """
     import torch.distributed as dist
 
-    outcome = None if failure is None else f"{type(failure).__name__}: {failure}"
+    outcome = None if failure is None else _describe(failure)
     seen: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(seen, outcome, group=group)
-    failed = [(rank, message) for rank, message in enumerate(seen) if message is not None]
-    if not failed:
+    by_message: dict[str, list[int]] = {}
+    for rank, message in enumerate(seen):
+        if message is not None:
+            by_message.setdefault(message, []).append(rank)
+    if not by_message:
         return
-    listed = "; ".join(f"rank {rank}: {message}" for rank, message in failed)
+    listed = "; ".join(f"{_ranks(ranks)}: {message}" for message, ranks in by_message.items())
+    summary = f"{what} ({listed}). {consequence}"
     if failure is not None:
-        if hasattr(failure, "add_note"):  # Python >= 3.11
-            failure.add_note(f"te_ckpt_placement: {what} ({listed}). {consequence}")
+        if hasattr(failure, "add_note"):
+            failure.add_note(f"te_ckpt_placement: {summary}")
+        else:  # pragma: no cover - Python 3.10
+            logging.getLogger("te_ckpt_placement").error("%s", summary)
         raise failure
-    raise RuntimeError(f"{what} ({listed}). {consequence}")
+    raise RuntimeError(summary)
+
+
+def _describe(failure: BaseException) -> str:
+    """``"Type: message"``, or the type alone where the message itself cannot be made."""
+    try:
+        return f"{type(failure).__name__}: {failure}"
+    except Exception:
+        return type(failure).__name__
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``"rank 3"`` or ``"ranks 0-2, 5"``."""
+    spans: list[str] = []
+    start = prev = ranks[0]
+    for rank in [*ranks[1:], None]:
+        if rank is not None and rank == prev + 1:
+            prev = rank
+            continue
+        spans.append(str(start) if start == prev else f"{start}-{prev}")
+        if rank is not None:
+            start = prev = rank
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(spans)
 
 
 @dataclasses.dataclass
 class _FullLoad:
     """A checked full-state load: the template flattened, and each shard copy still to make.
 
-    The template's tensors are the optimizer's live states, so nothing is copied before
-    :meth:`apply`.
+    The template's tensors can be the optimizer's live states (FSDP2's sharded FP32 states
+    without ``cpu_offload`` are), so nothing is copied before :meth:`apply`.
     """
 
     flat: dict[str, Any]
