@@ -20,6 +20,8 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -76,31 +78,33 @@ def set_ring(depth: int) -> None:
         engine.RING = depth
 
 
+@contextmanager
+def stager_method(name: str, wrap: Callable[[Any], Any]) -> Iterator[None]:
+    """Inside the block, ``engine._Stager.<name>`` is ``wrap(<the original method>)``."""
+    from te_ckpt_placement import engine
+
+    real = getattr(engine._Stager, name)
+    setattr(engine._Stager, name, wrap(real))
+    try:
+        yield
+    finally:
+        setattr(engine._Stager, name, real)
+
+
 class WaitClock:
-    """Inside ``with``: adds the time the host spends waiting for staging buffers to
-    ``seconds`` (``engine._Stager.wait``: a buffer's previous copy to the device)."""
+    """Adds the time the host spends waiting for staging buffers to ``seconds``, where
+    :meth:`timing` wraps ``engine._Stager.wait`` (a buffer's previous copy to the device)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
-        self._real: Any = None
 
-    def __enter__(self) -> WaitClock:
-        from te_ckpt_placement import engine
-
-        real = self._real = engine._Stager.wait
-
+    def timing(self, real: Any) -> Any:
         def wait(stager: Any, i: int) -> None:
             start = time.perf_counter()
             real(stager, i)
             self.seconds += time.perf_counter() - start
 
-        engine._Stager.wait = wait  # type: ignore[method-assign,assignment]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        from te_ckpt_placement import engine
-
-        engine._Stager.wait = self._real  # type: ignore[method-assign]
+        return wait
 
 
 def measure_size(
@@ -133,7 +137,7 @@ def measure_size(
                 set_ring(ring)
                 torch.set_num_threads(threads or default_threads)
                 waited.seconds = 0.0
-                with export_placement("cpu"), waited:
+                with export_placement("cpu"), stager_method("wait", waited.timing):
                     _, result = em.timed(
                         lambda: opt.load_state_dict(checkpoint), host="high_water", cuda=cuda
                     )
@@ -176,21 +180,19 @@ def measure_size(
 
 def copy_sizes(opt: Any, checkpoint: dict[str, Any]) -> list[int]:
     """The byte count of every host-to-device copy one placed load issues, in order."""
-    from te_ckpt_placement import engine, export_placement
+    from te_ckpt_placement import export_placement
 
     sizes: list[int] = []
-    real = engine._Stager.copy_async
 
-    def counting(self: Any, i: int, dst: torch.Tensor, src: torch.Tensor) -> None:
-        sizes.append(src.numel() * src.element_size())
-        real(self, i, dst, src)
+    def counting(real: Any) -> Any:
+        def copy_async(stager: Any, i: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+            sizes.append(src.numel() * src.element_size())
+            real(stager, i, dst, src)
 
-    engine._Stager.copy_async = counting  # type: ignore[method-assign]
-    try:
-        with export_placement("cpu"):
-            opt.load_state_dict(checkpoint)
-    finally:
-        engine._Stager.copy_async = real  # type: ignore[method-assign]
+        return copy_async
+
+    with stager_method("copy_async", counting), export_placement("cpu"):
+        opt.load_state_dict(checkpoint)
     return sizes
 
 
@@ -232,29 +234,23 @@ def measure_phases(n: int, args: argparse.Namespace, bw: dict[str, float]) -> li
             opt.load_state_dict(checkpoint)
 
     def convert_only() -> None:
-        real = engine._Stager.copy_async
-        engine._Stager.copy_async = lambda *a: None  # type: ignore[method-assign,assignment]
-        try:
+        with stager_method("copy_async", lambda real: lambda *a: None):
             load()
-        finally:
-            engine._Stager.copy_async = real  # type: ignore[method-assign]
 
     def both() -> None:
         replay()
         convert_only()
 
-    def serial() -> None:
-        real = engine._Stager.copy_async
-
-        def copy_and_wait(stager: Any, i: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def waiting_after(real: Any) -> Any:
+        def copy_async(stager: Any, i: int, dst: torch.Tensor, src: torch.Tensor) -> None:
             real(stager, i, dst, src)
             stager.synchronize()
 
-        engine._Stager.copy_async = copy_and_wait  # type: ignore[method-assign,assignment]
-        try:
+        return copy_async
+
+    def serial() -> None:
+        with stager_method("copy_async", waiting_after):
             load()
-        finally:
-            engine._Stager.copy_async = real  # type: ignore[method-assign]
 
     def clock(fn: Any) -> float:
         torch.cuda.synchronize()

@@ -739,10 +739,7 @@ def initialized_for_load(optimizer: Any) -> Iterator[bool]:
         yield created
     finally:
         if created and _loads.get(optimizer, 0) == loads:
-            for group in optimizer.param_groups:
-                for param in group["params"]:
-                    optimizer.state.pop(param, None)
-                    optimizer._scales.pop(param, None)  # TE L214: made with the states
+            _take_back_states(optimizer)
             for group, step in zip(optimizer.param_groups, steps, strict=True):
                 if step is _NO_STEP:
                     group.pop("step", None)
@@ -751,6 +748,14 @@ def initialized_for_load(optimizer: Any) -> Iterator[bool]:
 
 
 _NO_STEP = object()
+
+
+def _take_back_states(optimizer: Any) -> None:
+    """Removes every parameter's states and their scales (TE L214: made with the states)."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            optimizer.state.pop(param, None)
+            optimizer._scales.pop(param, None)
 
 
 def initialize_states(optimizer: Any) -> bool:
@@ -791,9 +796,7 @@ def initialize_states(optimizer: Any) -> bool:
     except BaseException:
         # An optimizer with some states would look initialized to the next attempt and to
         # TE's step: take back every state and scale made so far.
-        for param in params:
-            optimizer.state.pop(param, None)
-            optimizer._scales.pop(param, None)
+        _take_back_states(optimizer)
         raise
     for group in optimizer.param_groups:
         # TE L571-587: the counter of a step, also for an empty group.
