@@ -495,8 +495,16 @@ def _write_one(
 
 
 def _copy_as_is(t: torch.Tensor) -> torch.Tensor:
-    """A copy with ``t``'s strides, gaps included (host arithmetic can depend on the layout)."""
-    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    """A copy with ``t``'s strides, gaps included (host arithmetic can depend on the layout).
+
+    A ``t`` whose elements may share memory (an expanded tensor, which a hand-built checkpoint
+    can hold) gets a contiguous copy instead: TE scales in place (L307), which torch refuses on
+    such a tensor, and TE's move to the state's device (L296) makes the same dense copy.
+    """
+    if upload.may_overlap(t):
+        out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    else:
+        out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
     out.copy_(t)
     return out
 

@@ -32,6 +32,7 @@ from . import engine, reports
 __all__ = [
     "Uploader",
     "bf16_copy_is_vectorized",
+    "may_overlap",
     "memory_order",
     "row_blocks",
     "te_layout_like",
@@ -49,6 +50,20 @@ def memory_order(t: torch.Tensor) -> tuple[int, ...] | None:
     """
     order = tuple(sorted(range(t.dim()), key=lambda d: (t.stride(d), t.size(d)), reverse=True))
     return order if t.permute(order).is_contiguous() else None
+
+
+def may_overlap(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory (an expanded tensor's do): False only when
+    the strides prove that none does (each stride, smallest first, passes every element the
+    smaller ones reach), so writing into ``t`` or into a tensor with its strides is safe."""
+    reach = 0  # the largest offset the smaller strides reach
+    for stride, size in sorted((abs(s), n) for s, n in zip(t.stride(), t.shape, strict=True)):
+        if size <= 1:
+            continue
+        if stride <= reach:
+            return True
+        reach += (size - 1) * stride
+    return False
 
 
 def row_blocks(

@@ -188,6 +188,50 @@ def test_a_checkpoint_in_another_float_dtype_rounds_as_te_does(tmp_path: Path) -
     assert planner.peak_assembly_bytes == 0  # straight into the live BF16 states
 
 
+def stored_expanded(value: torch.Tensor) -> torch.Tensor:
+    """``value``'s first row repeated, viewed with stride 0 over a storage as large as its
+    bytes, which DCP's writer saves as it is (it copies only views of larger storages)."""
+    inner = value[0].numel()
+    base = torch.empty(value.numel(), dtype=value.dtype)
+    base[:inner] = value[0].reshape(-1)
+    return base.as_strided(value.shape, (0, *value[0].contiguous().stride()))
+
+
+@pytest.mark.usefixtures("quiet")
+def test_a_checkpoint_of_expanded_tensors_loads_as_the_template_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reader copies each saved tensor into the planner's dense buffer, so an expanded one
+    (which TE scales in place and fails on, for an FP16 state on its own device) loads as its
+    dense copy loads."""
+    from torch.distributed.checkpoint import filesystem
+
+    run = trained(torch.float16, "fp16")
+    with export_placement("cpu"):
+        flat = get_optimizer_state_dict(
+            run.model, run.opt, options=StateDictOptions(flatten_optimizer_state_dict=True)
+        )
+    for key, value in flat.items():
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] > 1:
+            flat[key] = stored_expanded(value)
+    dcp.save({"optim": flat}, checkpoint_id=str(tmp_path))
+    read_overlapping = []
+    narrow = filesystem.narrow_tensor_by_index
+
+    def recording(tensor: torch.Tensor, *args: Any) -> torch.Tensor:
+        read_overlapping.append(0 in tensor.stride() and tensor.numel() > 1)
+        return narrow(tensor, *args)
+
+    monkeypatch.setattr(filesystem, "narrow_tensor_by_index", recording)
+    ours, template = (plain_run(torch.float16, "fp16", seed=7) for _ in range(2))
+    state = {"optim": ours.state()}
+    with no_template(ours.opt):
+        dcp.load(state, checkpoint_id=str(tmp_path), planner=StreamingLoadPlanner(state["optim"]))
+    assert any(read_overlapping), "the files hold no expanded tensor"
+    dcp.load({"optim": template.state()}, checkpoint_id=str(tmp_path))
+    assert_same_run(ours, template, "expanded items: streaming vs template path", params=False)
+
+
 @pytest.mark.usefixtures("quiet")
 def test_the_benchmark_streaming_load_runs(tmp_path: Path) -> None:
     """benchmarks/dcp_e2e.py's placement_cpu_streaming load, on the stand-in."""

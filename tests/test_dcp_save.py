@@ -15,15 +15,19 @@ from __future__ import annotations
 
 import copy
 import pickle
+import uuid
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 from te_ckpt_placement import PassThroughStager, Placement, engine, export_placement
@@ -38,6 +42,7 @@ from te_ckpt_placement.dcp import (
     resolve_loaded,
 )
 from te_ckpt_placement.dcp import lazy_state as lazy_state_module
+from te_ckpt_placement.dcp import writer as writer_module
 from te_ckpt_placement.dcp.lazy_state import released_after_write
 
 from .support import dcp_save_checks as checks
@@ -306,6 +311,119 @@ def test_streaming_writer_failure_keeps_previous_checkpoint(
     files_c = {p.name for p in tmp_path.iterdir()}
     assert files_c & files_a == {".metadata"}, f"replaced files kept: {files_c & files_a}"
     checks.assert_loads(case, tmp_path, ref_c, "next checkpoint")
+
+
+class _RunsOnUnpickle:
+    """A pickle whose loading creates ``marker``: what a crafted ``.metadata`` can do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (Path.touch, (self.marker,))
+
+
+def test_streaming_writer_never_unpickles_the_old_metadata(tmp_path: Path) -> None:
+    marker = tmp_path.parent / f"{tmp_path.name}_unpickled"
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(_RunsOnUnpickle(marker)))
+    pickle.loads(pickle.dumps(_RunsOnUnpickle(marker)))
+    assert marker.exists(), "the crafted pickle has no side effect to observe"
+    marker.unlink()
+    case = plain_case(BF16, "remainder")
+    ref = case.reference()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        no_dist_save(
+            {"model": case.model.state_dict(), "optim": case.lazy()}, StreamingWriter(tmp_path)
+        )
+    assert not marker.exists(), "saving into the directory ran its old .metadata pickle"
+    assert not [w for w in caught if issubclass(w.category, RuntimeWarning)], caught
+    checks.assert_loads(case, tmp_path, ref, "after a crafted .metadata")
+
+
+def _fixed_tag(monkeypatch: pytest.MonkeyPatch, tag: str) -> None:
+    """The next saves' data files are named with ``tag`` (StreamingWriter's uuid, fixed)."""
+    fixed = uuid.UUID(tag + "0" * 20)
+    monkeypatch.setattr(writer_module, "uuid", SimpleNamespace(uuid4=lambda: fixed))
+
+
+def test_streaming_writer_deletes_only_data_files_of_its_earlier_saves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    case = plain_case(BF16, "remainder")
+    ref = case.reference()
+    tag = "0123456789ab"
+    mine = {f"__0_{tag}_{n}.distcp" for n in range(2)}  # this save's files (2 threads)
+    earlier = {"__0_aaaaaaaaaaaa_0.distcp", "__3_bbbbbbbbbbbb_12.distcp"}  # earlier saves'
+    others = {
+        "__0_0.distcp",
+        "keep.txt",
+        "__0_cccccccccccc_0.distcp.tmp",
+        "__0_DDDDDDDDDDDD_0.distcp",
+    }
+    for name in earlier | others:
+        (tmp_path / name).write_bytes(b"x")
+    (tmp_path / "__1_eeeeeeeeeeee_0.distcp").mkdir()  # the pattern's name, not a file
+    # An old .metadata that lists the new .metadata, this save's own files and other files.
+    listed = sorted(mine | others | {".metadata"})
+    storage = {MetadataIndex(f"k{i}"): _StorageInfo(name, 0, 1) for i, name in enumerate(listed)}
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(Metadata({}, storage_data=storage)))
+    _fixed_tag(monkeypatch, tag)
+    no_dist_save(
+        {"model": case.model.state_dict(), "optim": case.lazy()},
+        StreamingWriter(tmp_path, thread_count=2),
+    )
+    names = {p.name for p in tmp_path.iterdir()}
+    assert names == mine | others | {".metadata", "__1_eeeeeeeeeeee_0.distcp"}, sorted(names)
+    checks.assert_loads(case, tmp_path, ref, "after an old .metadata listing the new files")
+    # The next save replaces this one's files and leaves the rest.
+    _fixed_tag(monkeypatch, "fedcba987654")
+    no_dist_save(
+        {"model": case.model.state_dict(), "optim": case.lazy()}, StreamingWriter(tmp_path)
+    )
+    names = {p.name for p in tmp_path.iterdir()}
+    expected = others | {".metadata", "__1_eeeeeeeeeeee_0.distcp", "__0_fedcba987654_0.distcp"}
+    assert names == expected, sorted(names)
+    checks.assert_loads(case, tmp_path, ref, "next save")
+
+
+def test_streaming_writer_keeps_files_that_appear_while_it_writes(tmp_path: Path) -> None:
+    # A file of the writer's pattern made after the save began (another save's, started
+    # later) is not one that this save replaces.
+    later = tmp_path / "__1_abcdefabcdef_0.distcp"
+
+    class Interleaved(StreamingWriter):
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            later.write_bytes(b"x")
+            return super().write_data(plan, planner)
+
+    case = plain_case(BF16, "fp32")
+    ref = case.reference()
+    no_dist_save({"model": case.model.state_dict(), "optim": case.lazy()}, Interleaved(tmp_path))
+    assert later.exists(), "a file that appeared during the save was deleted"
+    checks.assert_loads(case, tmp_path, ref, "interleaved file")
+
+
+def test_streaming_writer_without_collectives_replaces_only_its_ranks_files(
+    tmp_path: Path,
+) -> None:
+    # use_collectives=False: every rank finishes its own save (__<rank>.metadata), so it
+    # deletes only data files of its own rank.
+    own, other = tmp_path / "__0_aaaaaaaaaaaa_0.distcp", tmp_path / "__1_aaaaaaaaaaaa_0.distcp"
+    own.write_bytes(b"x")
+    other.write_bytes(b"x")
+    case = plain_case(BF16, "fp32")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.save(
+            {"model": case.model.state_dict(), "optim": case.lazy()},
+            storage_writer=StreamingWriter(tmp_path),
+            no_dist=True,
+            use_collectives=False,
+        )
+    assert (tmp_path / "__0.metadata").is_file()
+    assert not own.exists(), "the rank's earlier data file was kept"
+    assert other.exists(), "another rank's data file was deleted"
 
 
 # --- SnapshotStager -----------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 Bit-exactness against TE's own ``load_state_dict`` of the same checkpoint (every storage mode,
 special values, odd layouts, chunked and not), the GPU memory bounds, aliasing checkpoints,
-GPU-resident checkpoints, and faults part-way with and without rollback.
+GPU-resident checkpoints, checkpoint values whose elements share memory (expanded tensors), and
+faults part-way with and without rollback.
 """
 
 from __future__ import annotations
@@ -19,7 +20,13 @@ from te_ckpt_placement import engine, export_placement, install, te_load
 
 from .support.faults import nth_call_raises
 from .support.helpers import bits, peak_extra
-from .support.load_cases import raw_bits, vary_checkpoint
+from .support.load_cases import (
+    OVERLAPPING,
+    densified,
+    raw_bits,
+    vary_checkpoint,
+    with_overlapping_values,
+)
 from .support.te_cases import MODES, Mode, make_params, make_te_optimizer, train
 
 pytestmark = pytest.mark.gpu
@@ -286,3 +293,29 @@ def test_load_states_entry_point_equals_te_load() -> None:
         g.update({**h, "params": params})
     assert_same_live(target, reference)
     assert extra <= bound(mode, target)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("layout", OVERLAPPING)
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
+def test_overlapping_values_load_as_te_loads_their_dense_copies(
+    mode: Mode, layout: str, device: str
+) -> None:
+    """Expanded (stride-0) or overlapping checkpoint values: TE's result for the same values.
+
+    TE loads such host values (it reads them: a copy, a BF16 cast, its move to the GPU, L296)
+    and fails on a device value of an FP16 state, which it scales in place (L307).
+    """
+    checkpoint = with_overlapping_values(host_checkpoint(mode), layout, device=device)
+    frozen = [raw_bits(v) for s in checkpoint["state"].values() for v in s.values()]
+    target, reference = twins(mode, seed=2)
+    with export_placement("cpu"):
+        target.load_state_dict(checkpoint)
+    reference.load_state_dict(densified(checkpoint))
+    assert_same_live(target, reference)
+    after = [raw_bits(v) for s in checkpoint["state"].values() for v in s.values()]
+    assert all(torch.equal(a, b) for a, b in zip(frozen, after, strict=True)), "changed"
+    if device == "cpu":  # TE's own load of the same host checkpoint gives the same states
+        _, te_own = twins(mode, seed=2)
+        te_own.load_state_dict(copy.deepcopy(checkpoint))
+        assert_same_live(target, te_own)

@@ -13,7 +13,17 @@ import torch
 from te_ckpt_placement import engine, export_placement
 
 from .support.helpers import assert_same_export, assert_snapshot_equal, bits, local, snapshot
-from .support.load_cases import LAYOUTS, raw_bits, restride, vary_checkpoint, with_special_values
+from .support.load_cases import (
+    LAYOUTS,
+    OVERLAPPING,
+    densified,
+    overlapping,
+    raw_bits,
+    restride,
+    vary_checkpoint,
+    with_overlapping_values,
+    with_special_values,
+)
 from .support.standin import StandInFusedAdam, make_optimizer, train
 
 MOMENTS = [torch.float32, torch.bfloat16, torch.float16, torch.uint8]
@@ -415,6 +425,19 @@ def test_the_two_bf16_kernels_differ_only_in_nans() -> None:
     assert torch.equal(scalar[nan], torch.full_like(scalar[nan], 0x7FC0))
 
 
+def test_may_overlap_is_false_only_for_strides_that_cannot_overlap() -> None:
+    from te_ckpt_placement.upload import may_overlap
+
+    t = torch.arange(7 * 5 * 3, dtype=torch.float32).reshape(7, 5, 3)
+    for layout in LAYOUTS:
+        assert not may_overlap(restride(t, layout)), layout
+    assert not may_overlap(torch.empty(6).as_strided((2, 2), (3, 2)))  # offsets 0, 2, 3, 5
+    assert not may_overlap(torch.zeros(1, 4).expand(1, 4))  # stride 0 of a size-1 dim only
+    for layout in OVERLAPPING:
+        assert may_overlap(overlapping(t, layout)), layout
+    assert may_overlap(torch.empty(5).as_strided((2, 3), (2, 1)))  # offsets 2 and 2
+
+
 def test_row_blocks_cover_every_element_once_without_slivers() -> None:
     from te_ckpt_placement import upload
 
@@ -576,6 +599,51 @@ def unloadable(kind: str, like: torch.Tensor) -> tuple[torch.Tensor, str]:
     if kind == "complex":
         return like.to(torch.complex64), "complex dtype"
     raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("rollback", [False, True])
+@pytest.mark.parametrize("layout", OVERLAPPING)
+@pytest.mark.parametrize(("moments", "master"), list(itertools.product(MOMENTS, MASTERS)))
+def test_overlapping_values_load_as_te_loads_their_dense_copies(
+    moments: torch.dtype, master: str, layout: str, rollback: bool
+) -> None:
+    # TE loads an expanded value where it reads it (a copy, a BF16 cast, its move to the GPU)
+    # and fails where it scales it in place (an FP32 value on an FP16 state's device, L307):
+    # the load gives every state TE's result for the same values, and changes no checkpoint.
+    source = trained(moments, master, seed=1)
+    with export_placement("cpu"):
+        checkpoint = with_overlapping_values(source.state_dict(), layout)
+    before_bits = frozen_bits(checkpoint)
+    target, reference = trained(moments, master, seed=5), trained(moments, master, seed=5)
+    with export_placement("cpu", rollback=rollback):
+        target.load_state_dict(checkpoint)
+    with export_placement(None):
+        reference.load_state_dict(densified(checkpoint))
+    assert_same_optimizer(target, reference)
+    after_bits = frozen_bits(checkpoint)
+    assert all(torch.equal(a, b) for a, b in zip(before_bits, after_bits, strict=True))
+
+
+@pytest.mark.parametrize(("moments", "master"), [(torch.float16, "fp32"), (torch.bfloat16, "fp16")])
+def test_load_state_of_an_overlapping_value_is_te_load_of_its_dense_copy(
+    moments: torch.dtype, master: str
+) -> None:
+    # The per-state entry point of the DCP StreamingLoadPlanner (its FP16/FP8 writes).
+    from te_ckpt_placement.te_load import load_state
+
+    source = trained(moments, master, seed=1)
+    with export_placement("cpu"):
+        checkpoint = with_overlapping_values(source.state_dict(), "expanded")
+    target, reference = trained(moments, master, seed=5), trained(moments, master, seed=5)
+    with export_placement(None):
+        reference.load_state_dict(densified(checkpoint))
+    params = [p for g in target.param_groups for p in g["params"]]
+    for k, states in checkpoint["state"].items():
+        for name, value in states.items():
+            load_state(target, params[k], name, value)
+    for g, h in zip(target.param_groups, reference.param_groups, strict=True):
+        g["step"] = h["step"]  # load_state leaves the groups alone
+    assert_same_optimizer(target, reference)
 
 
 @pytest.mark.filterwarnings("ignore:.*(beta|prototype):UserWarning")

@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pickle
 import queue
+import re
 import threading
 import uuid
-import warnings
 from collections.abc import Iterator
 from io import UnsupportedOperation
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,6 +42,9 @@ from .snapshot_stager import SnapshotStager
 __all__ = ["StreamingWriter"]
 
 _POLL_SECONDS = 0.1
+_TAG_DIGITS = 12
+# The names write_data gives data files: torch's rank prefix, the save's tag, the file's number.
+_DATA_FILE = re.compile(rf"__(\d+)_[0-9a-f]{{{_TAG_DIGITS}}}_\d+{re.escape(DEFAULT_SUFFIX)}")
 
 
 def _item_bytes(item: WriteItem) -> int:
@@ -73,6 +74,23 @@ def _buckets(count: int, items: list[WriteItem]) -> list[list[WriteItem]]:
         buckets[lightest].append(item)
         loads[lightest] += _item_bytes(item)
     return [bucket for bucket in buckets if bucket]
+
+
+def _own_data_files(path: str | os.PathLike[str], rank: int | None) -> set[str]:
+    """The regular files in ``path`` named as this writer names data files (of ``rank`` only,
+    unless None)."""
+    try:
+        entries = list(os.scandir(path))
+    except FileNotFoundError:
+        return set()
+    out = set()
+    for entry in entries:
+        match = _DATA_FILE.fullmatch(entry.name)
+        if match is None or not entry.is_file(follow_symlinks=False):
+            continue
+        if rank is None or int(match.group(1)) == rank:
+            out.add(entry.name)
+    return out
 
 
 def _host_tensor(data: torch.Tensor, stream: Any) -> torch.Tensor:
@@ -194,11 +212,15 @@ class StreamingWriter(FileSystemWriter):
     thread with ``single_file_per_rank``, else one per item) and load with the stock
     ``FileSystemReader``.
 
-    Data files get names unique to each save, so a save into a directory that already holds a
-    checkpoint overwrites nothing of it until the new ``.metadata`` replaces the old (torch's
-    atomic rename); after that the old checkpoint's data files are deleted. A failed save leaves
-    the previous checkpoint loadable: a rank whose write fails deletes the files it wrote, and
-    files that other ranks completed stay behind unreferenced (as do those of a killed process).
+    Data files get names unique to each save (``__<rank>_<12 hex digits>_<n>.distcp``), so a save
+    into a directory that already holds a checkpoint overwrites nothing of it until the new
+    ``.metadata`` replaces the old (torch's rename). After that, the files of that name pattern
+    that were in the directory when the save began (earlier saves of this writer, and files that
+    a failed or killed save left behind) are deleted; the directory's old ``.metadata`` is never
+    read, and no other file is touched. A failed save leaves the previous checkpoint loadable: a
+    rank whose write fails deletes the files it wrote, and files that other ranks completed stay
+    behind until the next successful save. One save at a time per directory, as for torch's
+    writer.
 
     For ``dcp.async_save`` this writer is also the stager (as torch's ``FileSystemWriter`` is): it
     stages with a :class:`~te_ckpt_placement.dcp.SnapshotStager`, which copies only the raw stored
@@ -257,6 +279,11 @@ class StreamingWriter(FileSystemWriter):
         )
         self.lookahead = lookahead
         self._stager = stager if stager is not None else SnapshotStager()
+        self._replaced: set[str] = set()  # data files of earlier saves, listed before writing
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        super().reset(checkpoint_id)
+        self._replaced = set()
 
     # --- AsyncStager: dcp.async_save stages with the snapshot stager ----------------------------
     @property
@@ -275,7 +302,7 @@ class StreamingWriter(FileSystemWriter):
     # --- writing ---------------------------------------------------------------------------------
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix = plan.storage_data.prefix
-        tag = uuid.uuid4().hex[:12]  # this write's own file names, whatever else is there
+        tag = uuid.uuid4().hex[:_TAG_DIGITS]  # this write's own file names (see _DATA_FILE)
         groups = (
             _buckets(self.thread_count, list(plan.items))
             if self.single_file_per_rank
@@ -387,31 +414,22 @@ class StreamingWriter(FileSystemWriter):
         return written
 
     # --- finishing -------------------------------------------------------------------------------
-    def _previous_files(self) -> set[str]:
-        """Data files of the checkpoint this save replaces (read before its metadata goes)."""
-        rank = None if self.use_collectives or self.rank is None else self.rank
-        metadata_path = self._get_metadata_path(rank)
-        if not self.fs.exists(metadata_path):
-            return set()
-        try:
-            with self.fs.create_stream(metadata_path, "rb") as f:
-                old = pickle.load(f)
-            return {info.relative_path for info in (old.storage_data or {}).values()}
-        except Exception as exc:  # an unreadable old checkpoint is left as it is
-            warnings.warn(
-                f"StreamingWriter: could not read the replaced checkpoint's metadata "
-                f"({type(exc).__name__}: {exc}); its data files are left in {self.path}",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            return set()
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """torch's prefixes, and the data files of earlier saves that :meth:`finish` deletes.
+
+        Runs where ``finish`` runs (the coordinator, or each rank without collectives), after
+        every rank made the directory and before any rank writes, so it lists no file of this
+        save and none that a save started later writes.
+        """
+        plans = super().prepare_global_plan(plans)
+        own_rank = None if self.use_collectives or self.rank is None else self.rank
+        self._replaced = _own_data_files(self.path, own_rank)
+        return plans
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        previous = self._previous_files()
         super().finish(metadata, results)
         current = {result.storage_data.relative_path for group in results for result in group}
-        for relative in sorted(previous - current):
-            if Path(relative).name != relative:  # only plain file names inside this directory
-                continue
+        replaced, self._replaced = self._replaced, set()
+        for name in sorted(replaced - current):
             with contextlib.suppress(FileNotFoundError):
-                self.fs.rm_file(self.fs.concat_path(self.path, relative))
+                self.fs.rm_file(self.fs.concat_path(self.path, name))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -51,6 +52,55 @@ def restride(t: torch.Tensor, layout: str) -> torch.Tensor:
         view = out[..., ::2]
     view.copy_(t)
     return view
+
+
+#: Layouts whose elements share memory, as a hand-built checkpoint can hold: the first row
+#: expanded over the first dimension (stride 0), and windows of stride 1 in every dimension.
+OVERLAPPING = ["expanded", "windows"]
+
+
+def overlapping(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """A tensor of ``t``'s shape, dtype and device whose elements share memory where the shape
+    allows it (not for one element or, with ``"windows"``, one dimension)."""
+    if layout == "expanded":
+        return t.detach()[:1].expand(t.shape) if t.dim() else t.detach()
+    if layout == "windows":
+        span = sum(n - 1 for n in t.shape) + 1
+        base = t.detach().reshape(-1)[:span].clone()
+        return base.as_strided(t.shape, [1] * t.dim())
+    raise AssertionError(layout)
+
+
+def with_overlapping_values(
+    checkpoint: dict[str, Any], layout: str, device: str | None = None
+) -> dict[str, Any]:
+    """A copy of a host checkpoint with every state in an :func:`overlapping` layout (on
+    ``device``); at least one of them shares memory."""
+    out = dict(checkpoint)
+    out["state"] = {
+        k: {
+            name: overlapping(v if device is None else v.to(device), layout)
+            for name, v in s.items()
+        }
+        for k, s in checkpoint["state"].items()
+    }
+    assert any(
+        any(n > 1 and d == 0 for n, d in zip(v.shape, v.stride(), strict=True))
+        or (v.dim() > 1 and v.stride() == (1,) * v.dim())
+        for states in out["state"].values()
+        for v in states.values()
+    ), "no value shares memory"
+    return out
+
+
+def densified(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``checkpoint`` with every state a contiguous copy of its values."""
+    out = copy.deepcopy(checkpoint)
+    out["state"] = {
+        k: {name: v.contiguous().clone() for name, v in states.items()}
+        for k, states in checkpoint["state"].items()
+    }
+    return out
 
 
 def raw_bits(t: torch.Tensor) -> torch.Tensor:
