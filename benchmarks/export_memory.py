@@ -27,9 +27,11 @@ nothing, so it is the fastest rate at which this process reads host memory: no l
 read every checkpoint byte, can beat I / B_host_read. The load's host peak is the kernel's exact
 high-water mark of resident memory (VmHWM, reset through /proc/self/clear_refs just before the
 load; a 1 ms sampler where that is not allowed): short-lived per-state temporaries count, and the
-checkpoint, resident before the reset, does not. Targets (issue 11): BF16/FP32/int16 storage
-within 2 x T*_load, at least 3x faster than TE's load and with 0 extra GPU bytes; FP16/FP8
-storage at least 2x faster than TE's load with at most 4 bytes per element of the largest state.
+checkpoint, resident before the reset, does not. The development targets (issue 11: speed
+goals of this project's GPU work, not correctness checks, which every load passes before its
+numbers are kept): BF16/FP32/int16 storage within 2 x T*_load, at least 3x faster than TE's load
+and with 0 extra GPU bytes; FP16/FP8 storage at least 2x faster than TE's load with at most 4
+bytes per element of the largest state. The run ends with how many cases met each.
 
 Usage:
     python benchmarks/export_memory.py                 # default size, prints the table
@@ -39,7 +41,9 @@ Usage:
     python benchmarks/export_memory.py --device cpu    # CPU smoke: the load op on TE's stand-in
 
 Without CUDA and Transformer Engine it says what it needs and exits with status 2 (except with
-``--device cpu``).
+``--device cpu``). ``--device cpu`` runs the load against the tests' CPU stand-in of TE
+(tests/support/standin.py), not TE: it shows that the op runs and is exact, and its times and
+targets say nothing about TE or a GPU.
 """
 
 from __future__ import annotations
@@ -492,11 +496,13 @@ def load_case(
         "gpu_bytes_max": gpu_limit,
         "seconds_over_bound_max": None if scaled else 2.0,
     }
-    met = speedup >= targets["speedup_vs_te_min"] and (
-        best["peak_extra_gpu_bytes"] <= gpu_limit or not cuda
-    )
-    if not scaled:
-        met = met and best["seconds"] <= 2.0 * bound
+    # Each target held, or None where it does not apply (no bound for FP16/FP8, no GPU on the CPU).
+    each = {
+        "seconds_over_bound": None if scaled else best["seconds"] <= 2.0 * bound,
+        "speedup_vs_te": speedup >= targets["speedup_vs_te_min"],
+        "gpu_bytes": best["peak_extra_gpu_bytes"] <= gpu_limit if cuda else None,
+    }
+    met = all(ok is not False for ok in each.values())
     ours_record = {
         **common,
         **best,
@@ -507,6 +513,7 @@ def load_case(
         "te_peak_extra_host_bytes": te["peak_extra_host_bytes"],
         "speedup_vs_te": speedup,
         "targets": targets,
+        "targets_each": each,
         "targets_met": bool(met),
     }
     return [{**common, **te, "mode": "te_default"}, {**ours_record, "mode": "placement_cpu"}]
@@ -686,8 +693,14 @@ def warm_host(nbytes: int) -> None:
 
 
 HEADER = (
-    f"{'op':<6} {'moments':>7} {'master':>9} {'N':>6} {'M':>6} {'mode':<27} {'GPU extra':>10} "
-    f"{'B/N':>6} {'host extra':>10} {'seconds':>8} {'T*':>6} {'x T*':>5} {'vs TE':>6}"
+    f"{'op':<6} {'moments':>7} {'master':>9} {'N':>6} {'M':>6} {'mode':<27} {'GPU extra':>11} "
+    f"{'B/N':>6} {'host extra':>11} {'seconds':>8} {'T*':>6} {'x T*':>5} {'vs TE':>6}"
+)
+LEGEND = (
+    "N: local state elements; M: elements of the largest parameter (G = 2^30, M = 2^20);\n"
+    "B/N: extra GPU bytes per element; T*: the row's hardware bound in seconds (an export:\n"
+    "max(R / B_d2h, O / B_host); a load: T*_load = max(R / B_h2d, I / B_host_read));\n"
+    "x T*: seconds / T*; vs TE: TE's own load time / this load's."
 )
 
 
@@ -697,8 +710,8 @@ def format_row(r: dict[str, Any]) -> str:
     return (
         f"{r['op']:<6} {r['moments']:>7} {r.get('master', 'remainder'):>9} "
         f"{r['n_elements'] / G:>5.2f}G "
-        f"{r['max_elements'] / MI:>5.0f}M {mode:<27} {r['peak_extra_gpu_bytes'] / G:>8.3f}GB "
-        f"{r['gpu_bytes_per_n']:>6.2f} {r['peak_extra_host_bytes'] / G:>8.2f}GB "
+        f"{r['max_elements'] / MI:>5.0f}M {mode:<27} {r['peak_extra_gpu_bytes'] / G:>8.3f}GiB "
+        f"{r['gpu_bytes_per_n']:>6.2f} {r['peak_extra_host_bytes'] / G:>8.2f}GiB "
         f"{r['seconds']:>8.3f} {r.get('bound_seconds', 0):>6.3f} "
         f"{r.get('seconds_over_bound', 0):>5.2f} {speedup}"
     )
@@ -783,15 +796,53 @@ def prepare_host(cuda: bool, plan: list[Case]) -> dict[str, float]:
     return cpu_bandwidths()
 
 
-def print_totals(records: list[dict[str, Any]]) -> None:
-    """How many report checks and load targets held over the run."""
+STANDIN_NOTE = (
+    "CPU smoke run on the tests' stand-in of TE (tests/support/standin.py), not Transformer\n"
+    "Engine: 'te_default' is the stand-in's own load and 'h2d' a host-to-host copy. It shows that\n"
+    "the load op runs and leaves the stand-in's bits; its times say nothing about TE or a GPU."
+)
+TARGETS = {  # target key in a record's "targets_each": what it says, in words
+    "seconds_over_bound": "within 2 x T*_load (BF16/FP32/int16 storage)",
+    "speedup_vs_te": "at least 3x (BF16/FP32/int16) or 2x (FP16/FP8) faster than TE's load",
+    "gpu_bytes": "0 extra GPU bytes (BF16/FP32/int16), at most 4 B per element of the largest "
+    "state (FP16/FP8)",
+}
+
+
+def totals(records: list[dict[str, Any]]) -> list[str]:
+    """The run's closing lines: how many report checks held, and how many cases met each of the
+    load's development targets, said as goals rather than failures."""
+    lines = []
     checks = [ok for r in records for ok in r.get("report_checks", {}).values()]
     if checks:
-        print(f"report checks hold in {sum(checks)} of {len(checks)}", flush=True)
+        lines.append(
+            f"report checks (each TransferReport against this run's own measurements): "
+            f"{sum(checks)} of {len(checks)} hold"
+        )
     loads = [r for r in records if r["op"] == "load" and r["mode"] == "placement_cpu"]
-    if loads:
-        met = sum(r["targets_met"] for r in loads)
-        print(f"load targets met in {met} of {len(loads)} cases", flush=True)
+    if not loads:
+        return lines
+    lines.append(
+        "load development targets (issue 11): speed goals, not checks; every load above left "
+        "the bits of the te_default row's load"
+    )
+    for key, words in TARGETS.items():
+        held = [r["targets_each"][key] for r in loads if r["targets_each"][key] is not None]
+        if held:
+            lines.append(f"  {words}: {sum(held)} of {len(held)} cases")
+    met = sum(r["targets_met"] for r in loads)
+    lines.append(f"  every target that applies: {met} of {len(loads)} cases")
+    if any(r["device"] == "cuda" for r in loads):
+        lines.append(
+            "The targets were set for an H200 host, against the bounds this run measured: a case\n"
+            "short of one is a load slower than the project's goal, not a wrong result."
+        )
+    else:
+        lines.append(
+            "On the CPU stand-in these targets do not apply (its 'TE' is not TE, its 'h2d' no GPU\n"
+            "copy): the counts only show that the run completed."
+        )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -829,10 +880,13 @@ def main(argv: list[str] | None = None) -> int:
         if m not in MODES:
             parser.error(f"unknown mode {m!r}; valid: {', '.join(MODES)}")
     plan = plan_cases(sweep, ops)
+    if not cuda:
+        print(STANDIN_NOTE, flush=True)
     bw = prepare_host(cuda, plan)
     print(
         "bandwidths (GB/s): " + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in bw.items()), flush=True
     )
+    print(LEGEND, flush=True)
     print(HEADER, flush=True)
     records = []
     from te_ckpt_placement import release_buffers
@@ -854,7 +908,7 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-    print_totals(records)
+    print("\n".join(totals(records)), flush=True)
     save()
     if args.out is not None:
         print(f"wrote {args.out}")

@@ -1,6 +1,8 @@
 """DCP walkthrough: save and load a TE FusedAdam optimizer under FSDP2 with 0 extra GPU bytes.
 
-Run on 2 GPUs with Transformer Engine, from a checkout:
+Needs 2 CUDA GPUs, Transformer Engine (pip install 'transformer-engine[pytorch]') and this
+package (pip install -e . in the checkout), and runs under torchrun; without one of them it exits
+saying which:
 
     torchrun --nproc_per_node=2 examples/dcp_walkthrough.py [CHECKPOINT_DIR]
 
@@ -25,9 +27,22 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
-from transformer_engine.pytorch.optimizers import FusedAdam
 
-from te_ckpt_placement import PassThroughStager, PlacedOptimizerState, export_placement
+NEEDS = (
+    "examples/dcp_walkthrough.py needs 2 CUDA GPUs, Transformer Engine "
+    "(pip install 'transformer-engine[pytorch]') and this package (pip install -e .), "
+    "and runs as: torchrun --nproc_per_node=2 examples/dcp_walkthrough.py [CHECKPOINT_DIR]"
+)
+try:
+    from transformer_engine.pytorch.optimizers import FusedAdam
+
+    from te_ckpt_placement import PassThroughStager, PlacedOptimizerState, export_placement
+except ImportError as exc:
+    sys.exit(f"{NEEDS}; here: {exc}")
+if not torch.cuda.is_available():
+    sys.exit(f"{NEEDS}; here torch {torch.__version__} sees no CUDA GPU")
+if "LOCAL_RANK" not in os.environ:
+    sys.exit(f"{NEEDS}; here it was not started by torchrun (no LOCAL_RANK)")
 
 ROOT = Path(sys.argv[1] if len(sys.argv) > 1 else "ckpt")
 

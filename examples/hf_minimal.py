@@ -1,6 +1,8 @@
 """Hugging Face Trainer with TE FusedAdam: checkpoints and resume stream through host memory.
 
-Run from a checkout on a GPU with Transformer Engine, on one GPU or under DDP:
+Needs a CUDA GPU, Transformer Engine (pip install 'transformer-engine[pytorch]') and this package
+with its [hf] extra (pip install -e '.[hf]' in the checkout); without one of them it exits saying
+which. Run it on one GPU or under DDP:
 
     python examples/hf_minimal.py [OUTPUT_DIR]
     torchrun --nproc_per_node=2 examples/hf_minimal.py [OUTPUT_DIR]
@@ -14,10 +16,21 @@ import os
 import sys
 
 import torch
-from transformer_engine.pytorch.optimizers import FusedAdam
-from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
-from te_ckpt_placement.integrations.hf import PlacementTrainer
+NEEDS = (
+    "examples/hf_minimal.py needs a CUDA GPU, Transformer Engine "
+    "(pip install 'transformer-engine[pytorch]') and this package with its [hf] extra "
+    "(pip install -e '.[hf]')"
+)
+try:
+    from transformer_engine.pytorch.optimizers import FusedAdam
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+    from te_ckpt_placement.integrations.hf import PlacementTrainer
+except ImportError as exc:
+    sys.exit(f"{NEEDS}; here: {exc}")
+if not torch.cuda.is_available():
+    sys.exit(f"{NEEDS}; here torch {torch.__version__} sees no CUDA GPU")
 
 OUTPUT_DIR = sys.argv[1] if len(sys.argv) > 1 else "hf_minimal_out"
 DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))

@@ -1,6 +1,8 @@
 """Lightning Trainer with TE FusedAdam: checkpoints and resume stream through host memory.
 
-Run from a checkout on a GPU with Transformer Engine:
+Needs a CUDA GPU, Transformer Engine (pip install 'transformer-engine[pytorch]') and this package
+with its [lightning] extra (pip install -e '.[lightning]' in the checkout); without one of them it
+exits saying which. Run it with
 
     python examples/lightning_minimal.py [CHECKPOINT_DIR] [DEVICES]
 
@@ -11,12 +13,23 @@ Lightning script is `PlacementCallback()` in the callbacks. tests/test_gpu_examp
 
 import sys
 
-import lightning as L  # noqa: N812 - Lightning's own spelling
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
-from transformer_engine.pytorch.optimizers import FusedAdam
 
-from te_ckpt_placement.integrations.lightning import PlacementCallback
+NEEDS = (
+    "examples/lightning_minimal.py needs a CUDA GPU, Transformer Engine "
+    "(pip install 'transformer-engine[pytorch]') and this package with its [lightning] extra "
+    "(pip install -e '.[lightning]')"
+)
+try:
+    import lightning as L  # noqa: N812 - Lightning's own spelling
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from transformer_engine.pytorch.optimizers import FusedAdam
+
+    from te_ckpt_placement.integrations.lightning import PlacementCallback
+except ImportError as exc:
+    sys.exit(f"{NEEDS}; here: {exc}")
+if not torch.cuda.is_available():
+    sys.exit(f"{NEEDS}; here torch {torch.__version__} sees no CUDA GPU")
 
 CKPT_DIR = sys.argv[1] if len(sys.argv) > 1 else "lightning_minimal_ckpt"
 DEVICES = int(sys.argv[2]) if len(sys.argv) > 2 else 1

@@ -67,3 +67,66 @@ def test_every_public_name_is_in_the_api_reference(module: str) -> None:
     ]
     missing = [name for name in names if f"`{name}" not in api]
     assert not missing, f"docs/api.md does not document {module}: {missing}"
+
+
+def test_install_lines_install_from_the_checkout() -> None:
+    """The package is on no index: every page installs it from the checkout (``pip install -e``)."""
+    from_index = re.compile(r"pip install\s+[\"']?te[_-]ckpt[_-]placement\b")
+    wrong = [
+        f"{page.name}: {line.strip()}"
+        for page in PAGES
+        for line in page.read_text().splitlines()
+        if from_index.search(line)
+    ]
+    assert not wrong, f"install from the checkout instead (pip install -e '.[EXTRA]'): {wrong}"
+
+
+def test_the_readme_names_the_test_extra_before_the_test_command() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert "pip install torch==2.13.0" in readme and "pip install -e '.[test]'" in readme
+    assert readme.index("pip install -e '.[test]'") < readme.index("`python -m pytest -q`")
+
+
+def test_dcp_run_sizes_agree_with_the_committed_results() -> None:
+    """A page giving the local size of the ``dcp_e2e.py --size medium`` run gives the JSON's."""
+    import json
+
+    results = ROOT / "benchmarks" / "results"
+    sizes = {
+        record["n_elements"]
+        for name in ("h200x2_dcp_paths.json", "h200x2_dcp_load_speed.json")
+        for record in json.loads((results / name).read_text())["records"]
+    }
+    assert len(sizes) == 1, sizes
+    expected = f"{sizes.pop() / (1 << 30):.2f} G"
+    cites = ("--size medium", "h200x2_dcp_paths.json", "h200x2_dcp_load_speed.json")
+    found = []
+    for page in PAGES:
+        for paragraph in re.split(r"\n\n|\n(?=- )", page.read_text()):  # paragraphs, list items
+            if any(cite in paragraph for cite in cites):
+                text = " ".join(paragraph.split())
+                found += [(page.name, size) for size in re.findall(r"(\d+\.\d+ G) local", text)]
+    assert found, "no page gives the size of the DCP run"
+    assert all(size == expected for _, size in found), (expected, found)
+
+
+def test_contributing_lists_every_package_module() -> None:
+    """docs/contributing.md's layout names each module of the package under its folder."""
+    page = (ROOT / "docs" / "contributing.md").read_text()
+    layout = page.split("## Layout", 1)[1].split("\nAround it:", 1)[0]
+    listed: dict[str, set[str]] = {}
+    folder = ""
+    for line in layout.splitlines():
+        if line.startswith("- "):  # a top-level item: the package's folder, or one of its own
+            match = re.match(r"- `te_ckpt_placement/(\w+)/`", line)
+            folder = match.group(1) if match else ""
+        modules = re.findall(r"`(?:te_ckpt_placement/)?(\w+\.py)`", line)
+        listed.setdefault(folder, set()).update(modules)
+    package = ROOT / "te_ckpt_placement"
+    actual: dict[str, set[str]] = {}
+    for path in package.rglob("*.py"):
+        sub = path.parent.relative_to(package).as_posix()
+        actual.setdefault("" if sub == "." else sub, set()).add(path.name)
+    assert {k: v for k, v in listed.items() if v} == actual, (
+        "update docs/contributing.md's layout: one line per module of te_ckpt_placement/"
+    )
