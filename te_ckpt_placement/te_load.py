@@ -42,6 +42,7 @@ from .te_contract import (
 
 __all__ = [
     "PartialLoadError",
+    "check_value",
     "initialize_states",
     "initialized_for_load",
     "load_state",
@@ -127,8 +128,12 @@ def _check_structure(optimizer: Any, state_dict: Any) -> None:
             )
 
 
-def _check_value(optimizer: Any, param: torch.Tensor, index: object, name: str, value: Any) -> None:
-    """One checkpoint value against the optimizer's storage of that state."""
+def check_value(optimizer: Any, param: torch.Tensor, index: object, name: str, value: Any) -> None:
+    """One checkpoint value against the optimizer's storage of that state, as the streaming load
+    checks it: raises the load's ``ValueError`` (naming ``index`` and ``name``) where it would
+    refuse ``value``, before anything is written. Loaders that build the values to load from a
+    checkpoint of their own (a full-state file sliced per rank) check the checkpoint's value
+    with it before any copy: the copy would cast away its dtype."""
     if name not in optimizer.name_to_dtype_map:
         raise _load_error(index, name, f"TE FusedAdam keeps only {', '.join(STATE_NAMES)}")
     if not isinstance(value, torch.Tensor):
@@ -220,7 +225,7 @@ def plan_load(
         for name, value in states.items():
             if value is None:
                 continue
-            _check_value(optimizer, param, index, name, value)
+            check_value(optimizer, param, index, name, value)
             entries[name] = value
         plan.append((index, param, entries))
     return plan
@@ -678,7 +683,7 @@ def _load_states(
         if (id(param), name) in seen:
             raise _load_error(index, name, "given twice")
         seen.add((id(param), name))
-        _check_value(optimizer, param, index, name, value)
+        check_value(optimizer, param, index, name, value)
         jobs.append(_Job(index, param, name, value))
     _count_te_cost(
         optimizer, [(j.index, j.param, {j.name: j.value}) for j in jobs], bulk_cast=False

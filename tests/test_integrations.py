@@ -824,6 +824,297 @@ def test_agree_groups_ranks_with_the_same_error() -> None:
     assert _resume._ranks([0, 1, 2, 5, 7, 8]) == "ranks 0-2, 5, 7-8"
 
 
+# --- resume: a TE full-state load refuses what the streaming load refuses ---------------------
+
+
+def _te_model() -> torch.nn.Module:
+    """BF16 parameters (TE keeps int16 remainders of those), with the FQNs of
+    ``support.distributed.fully_sharded``'s model."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 4)).to(torch.bfloat16)
+
+
+def _te_checkpoint(master: str, steps: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A trained stand-in's full-state checkpoint, keyed by FQN (as accelerate saves it) and by
+    position (as ``optimizer.state_dict()`` gives it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    from .support.standin import make_optimizer, train
+
+    model = _te_model()
+    optimizer = make_optimizer(model.parameters(), master=master)
+    train(optimizer, steps=steps)
+    full = StateDictOptions(full_state_dict=True)
+    return get_optimizer_state_dict(model, optimizer, options=full), optimizer.state_dict()
+
+
+def _states_by_position(optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+    from .support.helpers import snapshot
+
+    snap = snapshot(optimizer)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return [(f"{i}.{n}", v) for i, p in enumerate(params) for n, v in sorted(snap[p].items())]
+
+
+def _same_states(a: list[tuple[str, torch.Tensor]], b: list[tuple[str, torch.Tensor]]) -> bool:
+    return [k for k, _ in a] == [k for k, _ in b] and all(
+        torch.equal(x, y) for (_, x), (_, y) in zip(a, b, strict=True)
+    )
+
+
+FQNS = {0: "0.weight", 1: "0.bias", 2: "1.weight", 3: "1.bias"}
+
+# (saved masters, loaded masters, the state of 1.weight (position 2) changed in the checkpoint,
+# whether te_load refuses it)
+TE_LOAD_CASES = {
+    "int16 remainders into FP32 masters": ("remainder", "fp32", None, True),
+    "FP32 masters into int16 remainders": ("fp32", "remainder", None, True),
+    "int32 moments": ("fp32", "fp32", ("exp_avg", torch.int32), True),
+    "complex moments": ("fp32", "fp32", ("exp_avg_sq", torch.complex64), True),
+    "BF16 moments": ("fp32", "fp32", ("exp_avg", torch.bfloat16), False),
+    "FP16 moments": ("fp32", "fp32", ("exp_avg_sq", torch.float16), False),
+    "FP64 masters": ("fp32", "fp32", ("master_param", torch.float64), False),
+}
+
+
+@pytest.mark.usefixtures("one_rank_group", "hooked_standin")
+@pytest.mark.parametrize("case", list(TE_LOAD_CASES))
+def test_load_full_refuses_what_te_load_refuses(tmp_path: Path, case: str) -> None:
+    # The FSDP2 full-state resume copies each saved state into the template torch gives it,
+    # which casts; it must refuse each checkpoint the streaming load refuses, with its message
+    # (the parameter named by FQN instead of position) and nothing changed, and load the others
+    # as it does, bit for bit.
+    import re
+
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    from te_ckpt_placement import export_placement
+    from te_ckpt_placement.integrations import _resume
+
+    from .support.standin import make_optimizer, train
+
+    saved_master, master, change, refuses = TE_LOAD_CASES[case]
+    by_fqn, by_position = _te_checkpoint(saved_master, steps=2)
+    if change is not None:
+        name, dtype = change
+        by_fqn["state"]["1.weight"][name] = by_fqn["state"]["1.weight"][name].to(dtype)
+        by_position["state"][2][name] = by_position["state"][2][name].to(dtype)
+    path = tmp_path / "optimizer.bin"
+    torch.save(by_fqn, path)
+
+    def fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        model = _te_model()
+        optimizer = make_optimizer(model.parameters(), master=master)
+        train(optimizer, steps=1, seed=1)  # states of its own, which a load would replace
+        return model, optimizer
+
+    _, reference = fresh()
+    model, ours = fresh()
+    before = _states_by_position(ours)
+    refused: list[str] = []
+    with export_placement("cpu"):
+        try:
+            reference.load_state_dict(by_position)
+        except ValueError as exc:
+            refused.append(
+                re.sub(r"parameter (\d)", lambda m: f"parameter {FQNS[int(m[1])]}", str(exc))
+            )
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        with _resume.host_group() as group:
+            if refused:
+                with pytest.raises(ValueError) as caught:
+                    _resume.load_full(model, ours, str(path), options, group)
+            else:
+                assert _resume.load_full(model, ours, str(path), options, group)
+    if refused:
+        assert str(caught.value) == refused[0]
+        assert _same_states(_states_by_position(ours), before)
+    else:
+        assert _same_states(_states_by_position(ours), _states_by_position(reference))
+    assert bool(refused) == refuses, refused
+
+
+def _te_full_load_rank(rank: int, port: int, out: str, cases: dict[str, Any]) -> None:
+    """One rank of 2-rank TE full-state loads (the stand-in, FSDP2 on a gloo mesh) under the
+    streaming policy: ``cases`` maps a name to (the loaded masters, the checkpoint rank 0
+    reads, the one rank 1 reads, both at rank 0's path)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    from te_ckpt_placement import export_placement
+    from te_ckpt_placement.integrations import _resume
+
+    from .support.distributed import fully_sharded, init_gloo_mesh
+    from .support.standin import make_optimizer, train
+
+    mesh = init_gloo_mesh(rank, port, timeout_s=60)
+    dist.barrier = _no_barrier  # type: ignore[assignment]
+    real_load = _resume.host_load
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    results: dict[str, Any] = {}
+    for case, (master, path, other) in cases.items():
+        if rank == 1:  # the file rank 1 finds at the path: another node's disk
+            _resume.host_load = lambda _, o=other, **kw: real_load(o, **kw)  # type: ignore[assignment]
+        model = fully_sharded(mesh, torch.bfloat16, seed=1)
+        optimizer = make_optimizer(model.parameters(), master=master)
+        train(optimizer, steps=1, seed=1)
+        before = _states_by_position(optimizer)
+        error: BaseException | None = None
+        try:
+            with export_placement("cpu"), _resume.host_group() as group:
+                _resume.load_full(model, optimizer, path, options, group)
+        except Exception as exc:
+            error = exc
+        results[case] = {
+            "error": None if error is None else type(error).__name__,
+            "message": ""
+            if error is None
+            else "\n".join([str(error), *getattr(error, "__notes__", [])]),
+            "unchanged": _same_states(_states_by_position(optimizer), before),
+        }
+        _resume.host_load = real_load  # type: ignore[assignment]
+    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def _spawn_te_full_loads(tmp_path: Path, cases: dict[str, Any]) -> list[dict[str, Any]]:
+    from .support.distributed import spawn
+
+    spawn(_te_full_load_rank, str(tmp_path), cases)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.usefixtures("one_rank_group", "hooked_standin")
+def test_load_full_refuses_another_masters_storage_on_every_rank(tmp_path: Path) -> None:
+    # int16 remainders loaded as FP32 masters (their integer values, ~1e4) or FP32 masters as
+    # remainders (all 0): every rank raises te_load's error before any copy, none has changed.
+    for master in ("remainder", "fp32"):
+        torch.save(_te_checkpoint(master, steps=2)[0], tmp_path / f"{master}.bin")
+    remainders, fp32 = str(tmp_path / "remainder.bin"), str(tmp_path / "fp32.bin")
+    cases = {
+        "into fp32": ("fp32", remainders, remainders),
+        "into remainder": ("remainder", fp32, fp32),
+    }
+    problems = {
+        "into fp32": "stored as torch.int16, but this optimizer keeps floating-point states",
+        "into remainder": "stored as torch.float32, but this optimizer keeps int16 remainders",
+    }
+    for rank, results in enumerate(_spawn_te_full_loads(tmp_path, cases)):
+        for case, problem in problems.items():
+            result = results[case]
+            assert result["error"] == "ValueError", (rank, case, result)
+            assert problem in result["message"] and "parameter 0.weight" in result["message"]
+            assert result["unchanged"], (rank, case)
+            if sys.version_info >= (3, 11):
+                assert "ranks 0-1: ValueError" in result["message"]
+
+
+@pytest.mark.usefixtures("one_rank_group", "hooked_standin")
+def test_load_full_refuses_ranks_that_read_different_checkpoints(tmp_path: Path) -> None:
+    # Rank 1's file at the checkpoint path is another save (step 5, rank 0's step 3): torch's
+    # load would give both rank 0's values; each rank loading its own would mix them. Every
+    # rank raises, naming each rank's step, and none has changed. The same file loads.
+    for steps in (3, 5):
+        torch.save(_te_checkpoint("fp32", steps=steps)[0], tmp_path / f"step{steps}.bin")
+    three, five = str(tmp_path / "step3.bin"), str(tmp_path / "step5.bin")
+    cases = {"different": ("fp32", three, five), "same": ("fp32", three, three)}
+    for rank, results in enumerate(_spawn_te_full_loads(tmp_path, cases)):
+        different = results["different"]
+        assert different["error"] == "RuntimeError", (rank, different)
+        assert "the ranks read different checkpoints" in different["message"]
+        assert "rank 0: step 3, content " in different["message"]
+        assert "rank 1: step 5, content " in different["message"]
+        assert "Nothing was loaded on any rank" in different["message"]
+        assert different["unchanged"], rank
+        assert results["same"]["error"] is None, (rank, results["same"])
+        assert not results["same"]["unchanged"], rank
+
+
+def test_fingerprint_is_the_checkpoints_content() -> None:
+    from te_ckpt_placement.integrations._fingerprint import SAMPLES, fingerprint
+
+    from .support.helpers import through_torch_save
+
+    state = {
+        "state": {"w": {"exp_avg": torch.randn(40, 3), "step": torch.tensor(7.0)}},
+        "param_groups": [{"params": ["w"], "betas": (0.9, 0.99), "step": 7}],
+    }
+    assert fingerprint(state).startswith("step 7, content ")
+    assert fingerprint(through_torch_save(state)) == fingerprint(state)
+    changed = through_torch_save(state)
+    changed["state"]["w"]["exp_avg"][-1, -1] += 1  # the last element is always sampled
+    assert fingerprint(changed) != fingerprint(state)
+    changed = through_torch_save(state)
+    changed["param_groups"][0]["betas"] = [0.9, 0.99]
+    assert fingerprint(changed) != fingerprint(state)
+    changed = through_torch_save(state)
+    changed["state"]["w"]["exp_avg"] = changed["state"]["w"]["exp_avg"].to(torch.bfloat16)
+    assert fingerprint(changed) != fingerprint(state)
+    assert SAMPLES < 40 * 3
+
+
+def _stuck_peer_rank(rank: int, port: int, path: str, out: str) -> None:
+    """Rank 1 stalls for ``STALL_S`` before it resumes; rank 0 times out the job's way."""
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint.state_dict as sd
+
+    from te_ckpt_placement.integrations import _resume
+
+    from .support.distributed import init_group
+
+    init_group(rank, port, backend="gloo", timeout_s=60)
+    dist.all_reduce(torch.zeros(1))  # both ranks here: only the stall below is late
+    # The job's timeout, short (init_process_group's timeout would also bound the rendezvous).
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=HOST_TIMEOUT_S))
+    model, optimizer = _two_group_adam(seed=1)
+    options = sd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    error: BaseException | None = None
+    with _resume.host_group() as group:
+        if rank == 1:
+            time.sleep(STALL_S)
+        start = time.monotonic()
+        try:
+            _resume.load_full(model, optimizer, path, options, group)
+        except Exception as exc:
+            error = exc
+        elapsed = time.monotonic() - start
+    Path(out, f"rank{rank}.json").write_text(
+        json.dumps({"error": None if error is None else type(error).__name__, "elapsed": elapsed})
+    )
+    if rank == 0:  # rank 0 holds the store: it stays until rank 1 is done with the group
+        for _ in range(200):
+            if Path(out, "rank1.json").exists():
+                break
+            time.sleep(0.1)
+    dist.destroy_process_group()
+
+
+HOST_TIMEOUT_S, STALL_S = 1.5, 5.0
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_host_group_times_out_as_the_default_group_does(tmp_path: Path) -> None:
+    # With a 30-minute host group, rank 0 waited for the stalled rank 1 however short the job's
+    # timeout; it must give up after about the default group's timeout.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    from .support.distributed import spawn
+
+    model, optimizer = _two_group_adam(seed=0)
+    model(torch.randn(2, 5)).sum().backward()
+    optimizer.step()
+    path = tmp_path / "optimizer.bin"
+    full = StateDictOptions(full_state_dict=True)
+    torch.save(get_optimizer_state_dict(model, optimizer, options=full), path)
+    spawn(_stuck_peer_rank, str(path), str(tmp_path))
+    rank0 = json.loads((tmp_path / "rank0.json").read_text())
+    assert rank0["error"] is not None, rank0  # it waited for rank 1 and loaded
+    assert rank0["elapsed"] < STALL_S - 1, rank0
+
+
 @pytest.mark.usefixtures("hooked_standin")
 def test_initialize_states_takes_back_what_it_made_when_it_fails(
     monkeypatch: pytest.MonkeyPatch,

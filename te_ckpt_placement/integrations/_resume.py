@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import logging
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -168,19 +169,47 @@ def initialized(optimizers: Iterable[Any]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def host_group() -> Iterator[Any]:
+def host_group(*, timeout: datetime.timedelta | None = None) -> Iterator[Any]:
     """A gloo process group over the default group's ranks, for collectives on host memory.
 
     Object collectives and barriers on a NCCL group stage their payload in GPU memory; these
-    run on the host. Collective: every rank must enter it. The group is destroyed on exit.
+    run on the host. Its collectives give up after ``timeout``, by default the default group's
+    (the job's ``init_process_group(timeout=...)``): a new group would otherwise get torch's
+    30-minute default, and a stuck rank would hold the others that long. Collective: every rank
+    must enter it. The group is destroyed on exit.
     """
     import torch.distributed as dist
 
-    group = dist.new_group(backend="gloo")
+    if timeout is None:
+        timeout = default_group_timeout()
+    group = dist.new_group(backend="gloo", timeout=timeout)
     try:
         yield group
     finally:
         dist.destroy_process_group(group)
+
+
+def default_group_timeout() -> datetime.timedelta | None:
+    """The default process group's timeout, or None where this torch does not expose it (a new
+    group then gets torch's default).
+
+    torch has no public getter; its backends keep the timeout they were made with in their
+    options (``ProcessGroup._get_backend(device).options._timeout``, which
+    ``init_process_group`` and ``_set_pg_timeout`` set). The host (gloo) backend's is preferred.
+    """
+    import torch.distributed as dist
+
+    try:
+        group = dist.distributed_c10d._get_default_group()
+        devices = sorted(group._device_types, key=lambda device: device.type != "cpu")
+        for device in devices:
+            options = getattr(group._get_backend(device), "options", None)
+            timeout = getattr(options, "_timeout", None)
+            if isinstance(timeout, datetime.timedelta):
+                return timeout
+    except (AttributeError, RuntimeError, ValueError):  # another torch's internals
+        pass
+    return None
 
 
 def host_barrier(group: Any) -> None:
@@ -234,20 +263,31 @@ def load_full(model: Any, optimizer: Any, path: str, options: Any, group: Any) -
     read it.
 
     The ranks agree before any of them changes its optimizer: if reading or checking the
-    checkpoint fails on one rank, every rank raises and none has loaded anything. If loading
-    the checked template fails on some rank, every rank raises too, and the error names the
-    ranks that loaded the checkpoint and those that failed.
+    checkpoint fails on one rank, every rank raises and none has loaded anything. A TE
+    FusedAdam's states are checked as its streaming load checks them
+    (:func:`te_ckpt_placement.te_load.check_value`: int16 master remainders against FP32
+    masters, integer or complex states, ...), before the copy into the template would cast
+    them. The ranks also compare a fingerprint of what they read
+    (:func:`~te_ckpt_placement.integrations._fingerprint.fingerprint`: steps, structure, dtypes,
+    shapes and sampled bytes), since torch's load gives every rank rank 0's values: ranks
+    whose files at ``path`` differ raise, naming each rank's step. If loading the checked
+    template fails on some rank, every rank raises too, and the error names the ranks that
+    loaded the checkpoint and those that failed.
 
     Raises:
-        ValueError: a state's global shape differs from the checkpoint's (on every rank); the
-            optimizer is unchanged.
-        RuntimeError: on the ranks where nothing failed, when another rank failed.
+        ValueError: a state's global shape differs from the checkpoint's, or the streaming
+            load would refuse a state (on every rank where it does); the optimizer is
+            unchanged.
+        RuntimeError: on the ranks where nothing failed, when another rank failed; on every
+            rank, when the ranks read different checkpoints (nothing loaded).
     """
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import (
         get_optimizer_state_dict,
         set_optimizer_state_dict,
     )
+
+    from ._fingerprint import fingerprint
 
     readable = os.path.isfile(path) and os.access(path, os.R_OK)
     seen: list[Any] = [None] * dist.get_world_size(group)
@@ -256,21 +296,31 @@ def load_full(model: Any, optimizer: Any, path: str, options: Any, group: Any) -
         return False
     local = dataclasses.replace(options, full_state_dict=False, broadcast_from_rank0=False)
     plan: _FullLoad | None = None
+    read: str | None = None
     failure: BaseException | None = None
     try:
         full = host_load(path, mmap=True)
+        read = fingerprint(full)
         template = get_optimizer_state_dict(model, optimizer, options=local)
-        plan = _check_full(template, full, path)
+        plan = _check_full(template, full, path, check=_state_check(model, optimizer))
         del template, full
     except BaseException as exc:  # every rank learns of it below, before any rank loads
         failure = exc
-    _agree(
-        failure,
-        group,
-        f"cannot load the optimizer checkpoint {path}",
+    unchanged = (
         "Nothing was loaded on any rank; the optimizer holds what it held before (an optimizer "
-        "that had no state may hold its initial states, as torch's template gives it).",
+        "that had no state may hold its initial states, as torch's template gives it)."
     )
+    reads = _agree(failure, group, f"cannot load the optimizer checkpoint {path}", unchanged, read)
+    if len(set(reads)) > 1:
+        by_read: dict[str, list[int]] = {}
+        for rank, each in enumerate(reads):
+            by_read.setdefault(each, []).append(rank)
+        listed = "; ".join(f"{_ranks(ranks)}: {each}" for each, ranks in by_read.items())
+        raise RuntimeError(
+            f"the ranks read different checkpoints at {path} ({listed}). {unchanged} A "
+            "full-state resume needs the same file on every rank: put the checkpoint on a "
+            "directory every rank shares, or copy the one checkpoint to every node."
+        )
     assert plan is not None  # this rank failed otherwise, and _agree raised
     try:
         set_optimizer_state_dict(model, optimizer, plan.apply(), options=local)
@@ -287,8 +337,11 @@ def load_full(model: Any, optimizer: Any, path: str, options: Any, group: Any) -
     return True
 
 
-def _agree(failure: BaseException | None, group: Any, what: str, consequence: str) -> None:
-    """Raises on every rank of ``group`` when ``failure`` is set on any (a collective).
+def _agree(
+    failure: BaseException | None, group: Any, what: str, consequence: str, share: Any = None
+) -> list[Any]:
+    """Raises on every rank of ``group`` when ``failure`` is set on any (a collective); returns
+    every rank's ``share`` otherwise, in rank order.
 
     A failed rank re-raises its own error, with the outcome as a note (Python >= 3.11) or, on
     3.10, logged; the others raise a RuntimeError naming each failed rank (its rank in
@@ -299,13 +352,13 @@ def _agree(failure: BaseException | None, group: Any, what: str, consequence: st
 
     outcome = None if failure is None else _describe(failure)
     seen: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(seen, outcome, group=group)
+    dist.all_gather_object(seen, (outcome, share), group=group)
     by_message: dict[str, list[int]] = {}
-    for rank, message in enumerate(seen):
+    for rank, (message, _) in enumerate(seen):
         if message is not None:
             by_message.setdefault(message, []).append(rank)
     if not by_message:
-        return
+        return [each for _, each in seen]
     listed = "; ".join(f"{_ranks(ranks)}: {message}" for message, ranks in by_message.items())
     summary = f"{what} ({listed}). {consequence}"
     if failure is not None:
@@ -315,6 +368,38 @@ def _agree(failure: BaseException | None, group: Any, what: str, consequence: st
             logging.getLogger("te_ckpt_placement").error("%s", summary)
         raise failure
     raise RuntimeError(summary)
+
+
+def _state_check(model: Any, optimizer: Any) -> Callable[[str, str, Any], None] | None:
+    """``check(fqn, name, value)``: the streaming load's check of a checkpoint value as state
+    ``name`` of the parameter ``fqn`` of a TE FusedAdam (:func:`te_load.check_value`, the same
+    rule and message); None for another optimizer, whose own load casts its states."""
+    from ..te_contract import has_contract
+
+    inner = _unwrap(optimizer)
+    if not has_contract(inner):
+        return None
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    from ..te_load import check_value
+
+    # The FQNs torch's get_optimizer_state_dict names the optimizer's parameters by.
+    params = {
+        fqn: param
+        for name, param in model.named_parameters(remove_duplicate=False)
+        for fqn in _get_fqns(model, name)
+    }
+
+    def check(fqn: str, name: str, value: Any) -> None:
+        param = params.get(fqn)
+        if param is None:
+            raise ValueError(
+                f"cannot load the optimizer checkpoint: state {name!r} of {fqn}: the model has "
+                "no parameter of that name. Nothing was loaded; the optimizer is unchanged."
+            )
+        check_value(inner, param, fqn, name, value)
+
+    return check
 
 
 def _describe(failure: BaseException) -> str:
@@ -349,30 +434,42 @@ class _FullLoad:
 
     flat: dict[str, Any]
     paths: dict[str, Any]
-    copies: list[tuple[torch.Tensor, torch.Tensor]]
+    copies: list[tuple[torch.Tensor, torch.Tensor]]  # (template tensor, its shard of the file)
 
     def apply(self) -> dict[str, Any]:
         """Copies each rank's shard into the template; returns the state dict to load."""
         from torch.distributed._state_dict_utils import _unflatten_state_dict
         from torch.distributed.tensor import DTensor
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        for value, source in self.copies:
-            if isinstance(value, DTensor):
-                shape, offset = compute_local_shape_and_global_offset(
-                    value.shape, value.device_mesh, value.placements
-                )
-                index = tuple(slice(o, o + s) for s, o in zip(shape, offset, strict=True))
-                value.to_local().copy_(source[index])
-            else:
-                value.copy_(source)
+        for value, shard in self.copies:
+            (value.to_local() if isinstance(value, DTensor) else value).copy_(shard)
         merged: dict[str, Any] = _unflatten_state_dict(self.flat, self.paths)
         for group in merged.get("param_groups", []):
             group.setdefault("params", [])  # torch's too: flattening drops empty lists
         return merged
 
 
-def _check_full(template: dict[str, Any], full: dict[str, Any], path: str) -> _FullLoad:
+def _shard_of(value: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """The part of the checkpoint's (global) ``source`` that this rank's ``value`` holds: a view
+    of the mapped file, read only when copied."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(value, DTensor):
+        return source
+    shape, offset = compute_local_shape_and_global_offset(
+        value.shape, value.device_mesh, value.placements
+    )
+    return source[tuple(slice(o, o + s) for s, o in zip(shape, offset, strict=True))]
+
+
+def _check_full(
+    template: dict[str, Any],
+    full: dict[str, Any],
+    path: str,
+    *,
+    check: Callable[[str, str, Any], None] | None = None,
+) -> _FullLoad:
     """What torch's full-state load hands the optimizer, with each rank's shard copied on the host.
 
     torch (``_load_optim_state_dict`` with ``full_state_dict``) matches the saved groups to the
@@ -382,11 +479,13 @@ def _check_full(template: dict[str, Any], full: dict[str, Any], path: str) -> _F
     does the same, except that a state tensor's shard is sliced from the mapped checkpoint into
     the template's tensor instead of broadcast from rank 0 through GPU memory. Values the
     checkpoint lacks keep the template's; saved tensors the template has no state for are left
-    out (every rank but 0 drops them in torch's broadcast load). Checks every state first;
-    the returned plan copies when applied.
+    out (every rank but 0 drops them in torch's broadcast load). Checks every state first, each
+    saved state value that the load takes also with ``check(fqn, name, value)`` (a tensor as
+    this rank's shard of it); the returned plan copies when applied.
 
     Raises:
-        ValueError: a state's global shape differs from the checkpoint's.
+        ValueError: a state's global shape differs from the checkpoint's; what ``check``
+            raises.
     """
     from torch.distributed._state_dict_utils import _flatten_state_dict
 
@@ -398,23 +497,34 @@ def _check_full(template: dict[str, Any], full: dict[str, Any], path: str) -> _F
     flat_saved, saved_paths = _flatten_state_dict(saved)
     flat, paths = _flatten_state_dict(template)
     copies = []
+
+    def checked(where: tuple[Any, ...], value: Any) -> None:
+        if check is not None and where[0] == "state" and len(where) >= 3:
+            check(where[1], where[2], value)
+
     for key, source in flat_saved.items():
+        where = saved_paths[key]
+        if where[0] == "state" and len(where) > 3:  # a container where a state tensor goes
+            checked(where, saved_states[where[1]][where[2]])
         if not (isinstance(source, torch.Tensor) and source.dim() > 0):
             # torch: a 0-dim tensor moves to the CPU, anything else is taken as it is.
+            checked(where, source)
             flat[key] = source.clone() if isinstance(source, torch.Tensor) else source
-            paths.setdefault(key, saved_paths[key])
+            paths.setdefault(key, where)
             continue
         value = flat.get(key)
         if not isinstance(value, torch.Tensor):
             continue
         if tuple(source.shape) != tuple(value.shape):
-            *_, fqn, name = saved_paths[key]
+            *_, fqn, name = where
             raise ValueError(
                 f"cannot load the optimizer checkpoint {path}: state {name!r} of {fqn} has "
                 f"shape {tuple(source.shape)}, the model's {tuple(value.shape)}. Nothing "
                 "was loaded; the optimizer is unchanged."
             )
-        copies.append((value, source))
+        shard = _shard_of(value, source)
+        checked(where, shard)
+        copies.append((value, shard))
     return _FullLoad(flat, paths, copies)
 
 
