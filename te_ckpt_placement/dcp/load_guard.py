@@ -47,6 +47,8 @@ class _Guard:
         raise RuntimeError(self.message())
 
     def message(self) -> str:
+        if not self.loads:  # armed by a load that holds none of this optimizer's states
+            return "step() refused: a streaming load of this optimizer stopped part-way"
         latest = self.loads[-1]
         overwritten = {t.key for load in self.loads for t in load.targets if t.started}
         complete = sum(1 for t in latest.targets if t.remaining == 0)

@@ -503,10 +503,11 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
     Before any state is written, every state is checked against the checkpoint's metadata (key,
     global shape, dtype: int16 remainders for ``store_param_remainders=True``, floating point
     otherwise, and that the saved pieces cover the local shard): a mismatch raises ``ValueError``
-    with no state written. A failure after writing began (an I/O error of the reader, an
-    allocation) leaves the states partly loaded and the ``param_groups`` as they were;
-    :attr:`progress` then says how far it got, and loading again (a complete load writes every
-    state) repairs it.
+    with no state written, and a fresh optimizer loses the initial states made for the load. A
+    failure after writing began (an I/O error of the reader, an allocation, an interrupt) leaves
+    the states partly loaded and the ``param_groups`` as they were: the optimizer's ``step()``
+    then raises, saying how many states were overwritten, until a complete load (loading again
+    writes every state); :attr:`progress` says how far the load got.
 
     Where it cannot stream an adapter's optimizers (not TE FusedAdam's storage contract, or an
     FSDP1 model), it warns (:class:`StreamingLoadWarning`) and that adapter loads through the
