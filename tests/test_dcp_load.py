@@ -2,11 +2,12 @@
 
 In-process tests (plain tensors, no process group) cover every storage mode the stand-in keeps
 (FP32, BF16, FP16 and FP8 moments; no, FP32 and int16-remainder masters), the checks made before
-any write, failures part-way, the warned fallback and misuse. One spawn of 2 gloo ranks then runs
-the checks of ``tests/support/dcp_load_checks.py`` on ``fully_shard`` models, which
-tests/test_gpu_dcp_load.py runs again with real TE on 2 GPUs: round trips equal to the template
-path and to TE's own load, continued training equal to an uninterrupted run, resharding 2 -> 1
-and 1 -> 2, and a checkpoint written from a full state dict.
+any write (a fresh optimizer stays fresh), failures part-way (the step guard), load post-hooks
+that raise, the warned fallback and misuse. One spawn of 2 gloo ranks then runs the checks of
+``tests/support/dcp_load_checks.py`` on ``fully_shard`` models, which tests/test_gpu_dcp_load.py
+runs again with real TE on 2 GPUs: round trips equal to the template path and to TE's own load,
+continued training equal to an uninterrupted run, resharding 2 -> 1 and 1 -> 2, and a checkpoint
+written from a full state dict; and ``check_failures``, the failure paths on 2 ranks.
 
 In every streaming load the optimizer's ``state_dict()`` is made to fail: no template is built.
 """
