@@ -20,7 +20,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["arm", "is_armed", "lift"]
+__all__ = ["arm", "lift"]
 
 
 class _Guard:
@@ -90,9 +90,3 @@ def lift(optimizer: Any) -> None:
     guard = ref() if ref is not None else None
     if guard is not None:
         guard.lift()
-
-
-def is_armed(optimizer: Any) -> bool:
-    ref = _guards.get(optimizer)
-    guard = ref() if ref is not None else None
-    return guard is not None and guard.step_hook is not None
