@@ -43,13 +43,16 @@ from .te_contract import (
 __all__ = [
     "PartialLoadError",
     "check_value",
+    "group_steps",
     "initialize_states",
     "initialized_for_load",
     "load_state",
     "load_states",
     "note_loaded",
     "plan_load",
+    "post_hooks_deferred",
     "stream_load_state_dict",
+    "take_back_initial_states",
 ]
 
 
@@ -572,7 +575,7 @@ def _write_all(optimizer: Any, prepare: Callable[[], list[_Job]], undo: _Rollbac
 
 
 @contextmanager
-def _post_hooks_deferred(optimizer: Any) -> Iterator[OrderedDict[Any, Any]]:
+def post_hooks_deferred(optimizer: Any) -> Iterator[OrderedDict[Any, Any]]:
     """Holds back torch's load post-hooks while torch's part of the load runs.
 
     Yields the hooks to run, with torch's arguments (the optimizer), once the states are written.
@@ -616,7 +619,7 @@ def stream_load_state_dict(
     stripped = dict(state_dict)
     stripped["state"] = {k: ({} if k in planned else v) for k, v in state_dict["state"].items()}
     undo = _Rollback(optimizer) if rollback else None
-    with _post_hooks_deferred(optimizer) as post_hooks:
+    with post_hooks_deferred(optimizer) as post_hooks:
         # Changes nothing if it fails (torch sets the new state last).
         super(owner, optimizer).load_state_dict(stripped)  # type: ignore[arg-type]
 
@@ -745,22 +748,33 @@ def initialized_for_load(optimizer: Any) -> Iterator[bool]:
     completes inside the block, the states, scales and step counts it built are taken back on
     exit, and the optimizer is as fresh as before. Yields what ``initialize_states`` returned.
     """
-    steps = [group.get("step", _NO_STEP) for group in optimizer.param_groups]
+    steps = group_steps(optimizer)
     loads = _loads.get(optimizer, 0)
     created = initialize_states(optimizer)
     try:
         yield created
     finally:
         if created and _loads.get(optimizer, 0) == loads:
-            _take_back_states(optimizer)
-            for group, step in zip(optimizer.param_groups, steps, strict=True):
-                if step is _NO_STEP:
-                    group.pop("step", None)
-                else:
-                    group["step"] = step
+            take_back_initial_states(optimizer, steps)
 
 
 _NO_STEP = object()
+
+
+def group_steps(optimizer: Any) -> list[Any]:
+    """Each param group's ``"step"`` now, for :func:`take_back_initial_states` to restore."""
+    return [group.get("step", _NO_STEP) for group in optimizer.param_groups]
+
+
+def take_back_initial_states(optimizer: Any, steps: list[Any]) -> None:
+    """Undoes :func:`initialize_states`: its states and scales, and the groups' step counts as
+    ``steps`` (:func:`group_steps` before it) had them."""
+    _take_back_states(optimizer)
+    for group, step in zip(optimizer.param_groups, steps, strict=True):
+        if step is _NO_STEP:
+            group.pop("step", None)
+        else:
+            group["step"] = step
 
 
 def _take_back_states(optimizer: Any) -> None:

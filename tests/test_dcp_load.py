@@ -2,17 +2,19 @@
 
 In-process tests (plain tensors, no process group) cover every storage mode the stand-in keeps
 (FP32, BF16, FP16 and FP8 moments; no, FP32 and int16-remainder masters), the checks made before
-any write, failures part-way, the warned fallback and misuse. One spawn of 2 gloo ranks then runs
-the checks of ``tests/support/dcp_load_checks.py`` on ``fully_shard`` models, which
-tests/test_gpu_dcp_load.py runs again with real TE on 2 GPUs: round trips equal to the template
-path and to TE's own load, continued training equal to an uninterrupted run, resharding 2 -> 1
-and 1 -> 2, and a checkpoint written from a full state dict.
+any write (a fresh optimizer stays fresh), failures part-way (the step guard), load post-hooks
+that raise, the warned fallback and misuse. One spawn of 2 gloo ranks then runs the checks of
+``tests/support/dcp_load_checks.py`` on ``fully_shard`` models, which tests/test_gpu_dcp_load.py
+runs again with real TE on 2 GPUs: round trips equal to the template path and to TE's own load,
+continued training equal to an uninterrupted run, resharding 2 -> 1 and 1 -> 2, and a checkpoint
+written from a full state dict; and ``check_failures``, the failure paths on 2 ranks.
 
 In every streaming load the optimizer's ``state_dict()`` is made to fail: no template is built.
 """
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -43,6 +45,7 @@ from te_ckpt_placement.dcp import (
 from .support.backends import CPU
 from .support.dcp_load_checks import (
     WHOLE,
+    check_failures,
     load_run,
     load_streaming,
     load_template_path,
@@ -53,6 +56,7 @@ from .support.dcp_load_checks import (
 )
 from .support.dcp_runs import Run, assert_same_run
 from .support.distributed import by_position, hyperparams, init_gloo_mesh, param_dtype, spawn
+from .support.faults import StopAfter
 from .support.helpers import assert_snapshot_equal, bits, snapshot
 from .support.standin import make_optimizer
 from .support.storage import MASTERS
@@ -336,21 +340,6 @@ def test_bad_checkpoints_are_rejected_before_any_write(tmp_path: Path, case: str
 
 
 # --- failures after writing began ---------------------------------------------------------------
-class StopAfter(FileSystemReader):
-    """Reads the first ``count`` tensor items of the plan, then fails (or returns, ``quietly``)."""
-
-    def __init__(self, path: str | Path, count: int, *, quietly: bool = False) -> None:
-        super().__init__(str(path))
-        self.count, self.quietly = count, quietly
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Any:
-        items = [i for i in plan.items if "optim.state." in i.dest_index.fqn][: self.count]
-        done = super().read_data(LoadPlan(items), planner)
-        if self.quietly:
-            return done
-        raise OSError("the disk went away")
-
-
 @pytest.mark.usefixtures("quiet")
 def test_failure_part_way_says_what_state_the_optimizer_is_in(tmp_path: Path) -> None:
     run = trained(torch.float16, "fp32")
@@ -401,6 +390,130 @@ def test_failure_part_way_says_what_state_the_optimizer_is_in(tmp_path: Path) ->
     with warnings.catch_warnings():
         warnings.simplefilter("error", StreamingLoadWarning)
         ours.state().state_dict()  # a fresh adapter of the repaired optimizer: no warning
+
+
+def interrupting_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner's third FP16/FP8 write is interrupted (Ctrl-C inside a planner call)."""
+    calls = []
+    original = load_planner._write_state
+
+    def write(*args: Any) -> None:
+        calls.append(args)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        original(*args)
+
+    monkeypatch.setattr(load_planner, "_write_state", write)
+
+
+@pytest.mark.usefixtures("quiet")
+@pytest.mark.parametrize(
+    "fault", ["reader error", "reader interrupt", "interrupted write"], ids=str.split
+)
+def test_a_load_stopped_part_way_refuses_to_step_until_a_complete_load(
+    tmp_path: Path, fault: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = trained(torch.float16, "fp32")
+    save(run, tmp_path)
+    ours = trained(torch.float16, "fp32", seed=30)
+    state = {"optim": ours.state()}
+    planner = StreamingLoadPlanner(state["optim"])
+    reader: dict[str, Any] = {"storage_reader": StopAfter(tmp_path, 5)}
+    if fault == "reader interrupt":
+        reader = {"storage_reader": StopAfter(tmp_path, 5, exc=KeyboardInterrupt())}
+    elif fault == "interrupted write":
+        interrupting_write(monkeypatch)
+        reader = {"checkpoint_id": str(tmp_path)}
+    # DCP's reader step turns any failure, an interrupt too, into a CheckpointException.
+    with pytest.raises(CheckpointException) as info, no_template(ours.opt):
+        dcp.load(state, planner=planner, **reader)
+    if fault == "interrupted write":  # inside the planner: the interrupt, with what it left
+        assert "KeyboardInterrupt" in str(info.value)
+        assert re.search(r"te_ckpt_placement: loading .* failed part-way", str(info.value))
+        assert planner._failed is not None and planner._rings == {}
+    monkeypatch.undo()
+    found = re.match(r"(\d+) of 12 optimizer states loaded, (\d+) partly", planner.progress)
+    assert found, planner.progress
+    loaded, partly = map(int, found.groups())
+    assert loaded + partly > 0
+    before, groups = by_position(ours.opt), hyperparams(ours.opt)
+    weights = [bits(p).clone() for p in ours.params()]
+    refused = (
+        rf"step\(\) refused: .* overwrote {loaded + partly} of this optimizer's 12 states .*"
+        rf"\({loaded} of them completely\).* Load a complete checkpoint again"
+    )
+    for _ in range(2):  # it stays refused
+        with pytest.raises(RuntimeError, match=refused):
+            ours.train(1, seed=9)
+    assert_snapshot_equal(by_position(ours.opt), before)
+    assert hyperparams(ours.opt) == groups
+    assert all(torch.equal(bits(p), w) for p, w in zip(ours.params(), weights, strict=True))
+
+    # A complete load lifts the guard, streaming or through the template path.
+    if fault == "reader error":
+        load_template_path(ours, tmp_path)
+    else:
+        load_streaming(ours, tmp_path)
+    ref = plain_run(torch.float16, "fp32", 7)
+    load_template_path(ref, tmp_path)
+    for r in (ours, ref):
+        r.train(2, seed=9)
+    assert_same_run(ours, ref, f"{fault}: repaired, then trained")
+
+
+@pytest.mark.usefixtures("quiet")
+@pytest.mark.parametrize("exc", [RuntimeError("the hook failed"), KeyboardInterrupt()], ids=repr)
+def test_a_load_post_hook_that_raises_leaves_every_state_attached(
+    tmp_path: Path, exc: BaseException
+) -> None:
+    """torch's post-hooks run after the states are back in place: a failing one (or an interrupt
+    there) leaves the optimizer loaded, not without states."""
+    run = trained(torch.bfloat16, "fp32")
+    save(run, tmp_path)
+    ours, ref = trained(torch.bfloat16, "fp32", seed=30), plain_run(torch.bfloat16, "fp32", 7)
+    load_template_path(ref, tmp_path)
+    seen: list[int] = []
+
+    def failing_hook(optimizer: Any) -> None:
+        seen.append(len(optimizer.state))
+        raise exc
+
+    ours.opt.register_load_state_dict_post_hook(failing_hook)
+    with pytest.raises(type(exc)):
+        load_streaming(ours, tmp_path)
+    assert seen == [4], f"the post-hook saw {seen} parameters with states"
+    assert_same_run(ours, ref, "post-hook failed", params=False)
+    assert_same_run(ours, run, "post-hook failed vs saved", params=False)
+    ours.train(1, seed=9)  # a complete load: step() is not refused
+
+
+@pytest.mark.usefixtures("quiet")
+@pytest.mark.parametrize(
+    "case",
+    ["shape", "fp32_master_into_remainders", "missing_master", "uncovered", "foreign_param"],
+)
+def test_a_refused_load_leaves_a_fresh_optimizer_fresh(tmp_path: Path, case: str) -> None:
+    """ "No state was written" is true of a fresh optimizer too: the initial states the planner
+    gave it are taken back, with the step counts, and its first step is a first step."""
+    ours, twin = (plain_run(torch.bfloat16, "remainder", seed=21) for _ in range(2))
+    if case == "foreign_param":  # refused while the template is built (in state_dict())
+        for r in (ours, twin):
+            params = [*r.model.parameters(), torch.nn.Parameter(torch.ones(3).bfloat16())]
+            r.opt = make_optimizer(params, moments=torch.bfloat16, master="remainder")
+        where: dict[str, Any] = {"checkpoint_id": str(tmp_path)}
+        expected: type[BaseException] = ValueError
+    else:
+        source, _ = bad_checkpoints(tmp_path)[case]
+        where, expected = source(), CheckpointException
+    state = {"optim": ours.state()}
+    planner = StreamingLoadPlanner(state["optim"])
+    with pytest.raises(expected, match="No state was written"), no_template(ours.opt):
+        dcp.load(state, planner=planner, **where)
+    assert not ours.opt.state and not ours.opt._scales, "initial states were kept"
+    assert hyperparams(ours.opt) == hyperparams(twin.opt), "the step counts changed"
+    for r in (ours, twin):
+        r.train(2, seed=3)
+    assert_same_run(ours, twin, f"{case}: after a refused load")
 
 
 # --- fallback and misuse ------------------------------------------------------------------------
@@ -476,6 +589,7 @@ def _worker(rank: int, port: int, root: str) -> None:
     warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
     try:
         run_streaming_checks(CPU, mesh, Path(root))
+        check_failures(CPU, mesh, Path(root) / "failures")
     finally:
         dist.destroy_process_group()
 

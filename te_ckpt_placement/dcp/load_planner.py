@@ -37,9 +37,10 @@ import math
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -75,6 +76,7 @@ from ..te_contract import (
     stored_dtype,
 )
 from ..upload import _vectorized, bf16_copy_is_vectorized
+from . import load_guard
 
 if TYPE_CHECKING:
     from .state import PlacedOptimizerState
@@ -85,6 +87,11 @@ __all__ = ["StreamingLoadPlanner", "StreamingLoadWarning"]
 # 2.20.2 fused_adam.py L268-308); ``torch.uint8`` is FP8. Every other state is elementwise.
 WHOLE_STATE_DTYPES = (torch.float16, torch.uint8)
 FP32_BYTES = 4
+#: What a load that stopped part-way leaves, and what to do (load_guard refuses step()).
+_MIXED = (
+    "The optimizer mixes checkpoint and previous values, and its step() refuses to run until a "
+    "complete load: load the checkpoint again (a complete load writes every state)"
+)
 
 
 #: Pinned host bytes of the upload ring of one device, all slots together; items larger than a
@@ -102,6 +109,11 @@ class StreamingLoadWarning(UserWarning):
 
 class _CannotStreamError(Exception):
     """The planner cannot serve this optimizer: the template path loads it (with a warning)."""
+
+
+def _note(exc: BaseException, message: str) -> None:
+    if hasattr(exc, "add_note"):  # Python >= 3.11
+        exc.add_note(f"te_ckpt_placement: {message}")
 
 
 def _write_state(optimizer: Any, param: torch.Tensor, name: str, value: torch.Tensor) -> None:
@@ -356,6 +368,7 @@ class _OptimizerLoad:
     info: Any  # torch's _StateDictInfo: FQN <-> parameter mappings
     targets: list[_Target]
     live_states: dict[int, Any]  # id(param) -> the optimizer's state dict entry at planning
+    fresh: bool = False  # the optimizer had no state: this load gave it TE's initial states
 
 
 class _StreamingTemplate(dict):  # type: ignore[type-arg]
@@ -417,8 +430,6 @@ def _build_load(
     info: Any,
 ) -> tuple[dict[str, Any], _OptimizerLoad]:
     """The flattened template of one optimizer (``_get_optim_state_dict`` + flatten, unexported)."""
-    # TE's initial states (and each group's step count) instead of DCP's fake step.
-    te_load.initialize_states(optimizer)
     in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
     fqn_of = _fqns_by_param(model)
 
@@ -465,6 +476,12 @@ def _build_load(
     return template, _OptimizerLoad(model, optimizer, info, targets, live_states)
 
 
+def _take_back(made: list[tuple[Any, list[Any]]]) -> None:
+    """Takes back the initial states made for a load refused before any write (and the steps)."""
+    for optimizer, steps in made:
+        te_load.take_back_initial_states(optimizer, steps)
+
+
 class StreamingLoadPlanner(DefaultLoadPlanner):
     """A ``dcp.load`` planner that streams TE FusedAdam states into the live optimizer.
 
@@ -486,10 +503,11 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
     Before any state is written, every state is checked against the checkpoint's metadata (key,
     global shape, dtype: int16 remainders for ``store_param_remainders=True``, floating point
     otherwise, and that the saved pieces cover the local shard): a mismatch raises ``ValueError``
-    with no state written. A failure after writing began (an I/O error of the reader, an
-    allocation) leaves the states partly loaded and the ``param_groups`` as they were;
-    :attr:`progress` then says how far it got, and loading again (a complete load writes every
-    state) repairs it.
+    with no state written, and a fresh optimizer loses the initial states made for the load. A
+    failure after writing began (an I/O error of the reader, an allocation, an interrupt) leaves
+    the states partly loaded and the ``param_groups`` as they were: the optimizer's ``step()``
+    then raises, saying how many states were overwritten, until a complete load (loading again
+    writes every state); :attr:`progress` says how far the load got.
 
     Where it cannot stream an adapter's optimizers (not TE FusedAdam's storage contract, or an
     FSDP1 model), it warns (:class:`StreamingLoadWarning`) and that adapter loads through the
@@ -564,6 +582,8 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         self.fallbacks: list[str] = []
         self._slot_bytes = 0
         self._failed: str | None = None  # the first state whose read or write failed
+        # Fresh optimizers this load gave TE's initial states, with their groups' steps before.
+        self._initial: list[tuple[Any, list[Any]]] = []
         self._rings: dict[torch.device, _UploadRing] = {}
         self._pending: dict[ReadItem, tuple[_UploadRing, int, torch.Tensor]] = {}
         #: Where the load's time went, for benchmarks: seconds inside ``resolve_tensor`` and
@@ -600,15 +620,22 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         pairs = [(model, optim) for model, optims in state._pairs for optim in optims]
         template = _StreamingTemplate()
         loads = []
+        made: list[tuple[Any, list[Any]]] = []  # fresh optimizers given TE's initial states
         try:
             infos = [_check_streamable(model, optim, state.options) for model, optim in pairs]
             for (model, optim), info in zip(pairs, infos, strict=True):
-                # On a fresh optimizer this gives it TE's initial states (what the template
-                # path's fake step would leave) before any check of its shards can refuse it.
+                # A fresh optimizer gets TE's initial states (and each group's step count)
+                # instead of DCP's fake step, before any check of its shards can refuse it: the
+                # template path it may fall back to then skips that step.
+                steps = te_load.group_steps(optim)
+                if te_load.initialize_states(optim):
+                    made.append((optim, steps))
                 part, load = _build_load(self, state, model, optim, info)
+                load.fresh = any(optim is opt for opt, _ in made)
                 merge_part(template, part)
                 loads.append(load)
         except _CannotStreamError as exc:
+            self._initial += made  # the template path loads them, unless the load is refused
             reason = str(exc)
             self.fallbacks.append(reason)
             warnings.warn(
@@ -619,16 +646,40 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
                 stacklevel=3,
             )
             return None
+        except BaseException:
+            # Refused before any write ("No state was written"), and dcp.load stops: the
+            # initial states made for it so far, this adapter's and the others', go.
+            made, self._initial = self._initial + made, []
+            _take_back(made)
+            raise
+        self._initial += made
         template.planner, template.state, template.loads = self, state, loads
         self._loads.extend(loads)
         return template
 
     # --- planning -------------------------------------------------------------------------
+    @contextmanager
+    def _before_any_write(self) -> Iterator[None]:
+        """A planning step: if it fails, the initial states this load made are taken back."""
+        try:
+            yield
+        except BaseException:
+            # Nothing was read yet ("No state was written"): fresh optimizers are fresh again.
+            made, self._initial = self._initial, []
+            _take_back(made)
+            raise
+
     def set_up_planner(
         self,
         state_dict: dict[str, Any],
         metadata: Metadata | None = None,
         is_coordinator: bool = False,
+    ) -> None:
+        with self._before_any_write():
+            self._set_up_planner(state_dict, metadata, is_coordinator)
+
+    def _set_up_planner(
+        self, state_dict: dict[str, Any], metadata: Metadata | None, is_coordinator: bool
     ) -> None:
         unused = [s for s in self._states if getattr(s, "_load_planner", None) is self]
         for state in unused:
@@ -715,13 +766,15 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
             )
 
     def create_local_plan(self) -> LoadPlan:
-        plan = super().create_local_plan()
-        self._plan_reads(plan.items)
+        with self._before_any_write():
+            plan = super().create_local_plan()
+            self._plan_reads(plan.items)
         return plan
 
     def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
-        plan = super().finish_plan(new_plan)
-        self._plan_reads(plan.items)
+        with self._before_any_write():
+            plan = super().finish_plan(new_plan)
+            self._plan_reads(plan.items)
         self._planning = False
         return plan
 
@@ -786,8 +839,8 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
                 if target.buffer is None:
                     target.buffer = self._allocate(target.local_shape)
                 return self.transform_tensor(read_item, target.buffer)
-            except Exception as exc:
-                raise self._failure(target, exc) from exc
+            except BaseException as exc:
+                self._raise_failure(target, exc)
             finally:
                 self.stats["resolve_s"] += time.perf_counter() - start
 
@@ -812,8 +865,8 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
                     self._release(target.buffer)
                     target.buffer = None
                 target.remaining = left  # a failed write above leaves the state "partly written"
-            except Exception as exc:
-                raise self._failure(target, exc) from exc
+            except BaseException as exc:
+                self._raise_failure(target, exc)
             finally:
                 self.stats["commit_s"] += time.perf_counter() - start
 
@@ -850,6 +903,9 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         if not target.started:
             target.started = True
             target.owner._unfinished_load = self  # cleared when the load finishes
+            # The optimizer's step() refuses to run until a load of every state completes.
+            optimizer = target.optimizer
+            load_guard.arm(optimizer, [ld for ld in self._loads if ld.optimizer is optimizer])
 
     def _allocate(self, shape: tuple[int, ...]) -> torch.Tensor:
         nbytes = FP32_BYTES * math.prod(shape)
@@ -901,32 +957,67 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         return RuntimeError(
             f"loading the optimizer checkpoint failed part-way, at {target.dcp_key} "
             f"({type(exc).__name__}: {exc}{also}). {self.progress}; the param_groups are the "
-            "previous ones. The optimizer mixes checkpoint and previous values: load the "
-            "checkpoint again (a complete load writes every state) or rebuild it before training"
+            f"previous ones. {_MIXED}"
         )
 
+    def _raise_failure(self, target: _Target, exc: BaseException) -> NoReturn:
+        """Raises what a failure inside the planner leaves: a ``RuntimeError`` from ``exc``, or
+        ``exc`` itself with that message as a note for an interrupt (which must propagate)."""
+        error = self._failure(target, exc)
+        if isinstance(exc, Exception):
+            raise error from exc
+        _note(exc, str(error))
+        raise exc
+
     def _finish(self, template: _StreamingTemplate) -> None:
-        """``param_groups`` as ``set_optimizer_state_dict`` loads them, then the live states."""
+        """``param_groups`` as ``set_optimizer_state_dict`` loads them, then the live states.
+
+        The states stay attached throughout (torch's part of the load detaches them, and they
+        are put back in a ``finally``); torch's load post-hooks run last, with the states in
+        place, as TE's load leaves them.
+        """
         self._close_rings()  # every upload has landed
         incomplete = [t.dcp_key for ld in template.loads for t in ld.targets if t.remaining != 0]
         if incomplete:
             raise RuntimeError(
                 f"StreamingLoadPlanner: dcp.load returned before {len(incomplete)} optimizer "
                 f"states were read ({incomplete[:3]}). {self.progress}; the param_groups are the "
-                "previous ones: load the checkpoint again"
+                f"previous ones. {_MIXED}"
             )
-        for load in template.loads:
-            optimizer = load.optimizer
-            osd = _unflatten_optim_state_dict(optimizer, template, load.info)
-            # The method TE's load_state_dict calls as super() (fused_adam.py L519): the groups,
-            # hooks and torch's own checks; no states, so nothing is cast.
-            torch.optim.Optimizer.load_state_dict(
-                optimizer, {"state": {}, "param_groups": osd["param_groups"]}
-            )
-            # TE's load then gives every parameter of the checkpoint's "state" its states
-            # (L540): the live ones, which now hold the checkpoint's values.
-            for fqn in osd["state"]:
-                param = load.info.fqn_param_mapping[fqn]
-                states = load.live_states.get(id(param))
-                optimizer.state[param] = states if states is not None else {}
+        loaded = [(load.optimizer, self._load_groups(template, load)) for load in template.loads]
         template.state._unfinished_load = None  # a complete load wrote every state
+        for optimizer, post_hooks in loaded:
+            for hook in post_hooks.values():
+                hook(optimizer)
+
+    def _load_groups(self, template: _StreamingTemplate, load: _OptimizerLoad) -> Any:
+        """One optimizer's ``param_groups``, its states kept; returns its deferred post-hooks."""
+        optimizer = load.optimizer
+        osd = _unflatten_optim_state_dict(optimizer, template, load.info)
+        # TE's load gives every parameter of the checkpoint's "state" its states (fused_adam.py
+        # L540): the live ones, which now hold the checkpoint's values.
+        attached = {}
+        for fqn in osd["state"]:
+            param = load.info.fqn_param_mapping[fqn]
+            states = load.live_states.get(id(param))
+            attached[param] = states if states is not None else {}
+        before = optimizer.state
+        try:
+            with te_load.post_hooks_deferred(optimizer) as post_hooks:
+                # The method TE's load_state_dict calls as super() (L519): the groups, pre-hooks
+                # and torch's own checks; no states, so nothing is cast.
+                torch.optim.Optimizer.load_state_dict(
+                    optimizer, {"state": {}, "param_groups": osd["param_groups"]}
+                )
+        except Exception as exc:
+            raise RuntimeError(
+                f"StreamingLoadPlanner: every optimizer state was read, then loading the "
+                f"param_groups failed ({type(exc).__name__}: {exc}): they are the previous ones. "
+                f"{_MIXED}"
+            ) from exc
+        finally:
+            if optimizer.state is not before:  # torch's part replaced the states: put them back
+                optimizer.state.update(attached)  # one call: an interrupt cannot split it
+        load_guard.lift(optimizer)
+        te_load.note_loaded(optimizer)
+        return post_hooks

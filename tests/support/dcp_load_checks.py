@@ -4,6 +4,8 @@
 below in process; ``tests/test_gpu_dcp_load.py`` runs them with TE's FusedAdam on a CUDA mesh:
 round trips equal to the template path and to TE's own load, continued training equal to an
 uninterrupted run, resharding 2 -> 1 and 1 -> 2, and a checkpoint written from a full state dict.
+:func:`check_failures` runs the failure paths on 2 ranks: a load refused before any write, a
+reader that fails on one rank part-way, and a load post-hook that raises.
 In every streaming load the optimizer's ``state_dict()`` is made to fail: no template is built.
 """
 
@@ -18,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -32,7 +35,8 @@ from te_ckpt_placement.dcp import StreamingLoadPlanner, StreamingLoadWarning
 
 from .backends import Backend
 from .dcp_runs import Run, assert_same_run
-from .distributed import assert_same_full
+from .distributed import assert_same_full, hyperparams
+from .faults import StopAfter
 from .helpers import local
 
 WHOLE = (torch.float16, torch.uint8)  # scaled by the absmax of the whole state
@@ -226,6 +230,66 @@ def check_full_state_dict_checkpoint(backend: Backend, mesh: DeviceMesh, path: P
     load_template_path(ref, path)
     assert_same_run(ours, ref, f"{where}: vs template path")
     assert_same_run(ours, run, f"{where}: vs saved")
+
+
+def check_failures(backend: Backend, mesh: DeviceMesh, root: Path) -> None:
+    """The failure paths on 2 ranks (the rank's own refusal, one rank's reader, a post-hook)."""
+    rank = dist.get_rank()
+    where = f"rank {rank} failures"
+    # Refused before any write on every rank (no master weights in the checkpoint): a fresh
+    # optimizer is as fresh as before, and its first step is a first step.
+    saved = load_run(backend, mesh, torch.float32, "none", seed=50)
+    saved.train(2, seed=51)
+    save(saved, root / "no_master")
+    fresh, twin = (load_run(backend, mesh, torch.float32, "fp32", seed=52) for _ in range(2))
+    adapter = fresh.state()
+    planner = StreamingLoadPlanner(adapter)
+    with pytest.raises(CheckpointException, match="No state was written"), no_template(fresh.opt):
+        dcp.load({"optim": adapter}, checkpoint_id=str(root / "no_master"), planner=planner)
+    assert not fresh.opt.state and not fresh.opt._scales, f"{where}: initial states kept"
+    assert hyperparams(fresh.opt) == hyperparams(twin.opt), f"{where}: step counts changed"
+    for r in (fresh, twin):
+        r.train(2, seed=53)
+    assert_same_run(fresh, twin, f"{where}: after a refused load")
+
+    # Rank 1's reader fails after 2 items, rank 0 reads everything; dcp.load raises on both, so
+    # neither loads the param_groups: both refuse to step until a complete load.
+    run = load_run(backend, mesh, torch.bfloat16, "fp32", seed=54)
+    run.train(3, seed=55)
+    path = root / "stopped"
+    save(run, path)
+    ours, ref = (load_run(backend, mesh, torch.bfloat16, "fp32", seed=56) for _ in range(2))
+    ours.train(2, seed=57)
+    adapter = ours.state()
+    planner = StreamingLoadPlanner(adapter)
+    reader = StopAfter(path, 2 if rank == 1 else None, quietly=rank == 0)
+    with pytest.raises(CheckpointException, match="the disk went away"), no_template(ours.opt):
+        dcp.load({"optim": adapter}, storage_reader=reader, planner=planner)
+    written = 2 if rank == 1 else 12
+    refused = rf"step\(\) refused: .* overwrote {written} of this optimizer's 12 states"
+    with pytest.raises(RuntimeError, match=refused):
+        ours.train(1, seed=58)
+    load_streaming(ours, path)  # a complete load lifts the guard
+    load_template_path(ref, path)
+    assert_same_run(ours, ref, f"{where}: repaired")
+    for r in (ours, ref):
+        r.train(2, seed=59)
+    assert_same_run(ours, ref, f"{where}: repaired, then trained")
+
+    # A load post-hook that raises: the states stay attached, as the template path loads them.
+    ours, ref = (load_run(backend, mesh, torch.bfloat16, "fp32", seed=60) for _ in range(2))
+    seen: list[int] = []
+
+    def failing_hook(optimizer: Any) -> None:
+        seen.append(len(optimizer.state))
+        raise RuntimeError("the hook failed")
+
+    ours.opt.register_load_state_dict_post_hook(failing_hook)
+    with pytest.raises(RuntimeError, match="the hook failed"):
+        load_streaming(ours, path)
+    load_template_path(ref, path)
+    assert seen == [4], f"{where}: the hook saw {seen} parameters with states"
+    assert_same_run(ours, ref, f"{where}: post-hook failed", params=False)
 
 
 CASES: list[tuple[torch.dtype, str]] = [

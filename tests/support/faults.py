@@ -1,14 +1,18 @@
 """Fault injection and optimizer views, shared by the CPU fault tests and the GPU reliability tests.
 
 :data:`FAULTS` names where an export can fail part-way (a host copy, a host allocation, an
-interrupt); :func:`nth_call_raises` makes the k-th call of a function raise.
+interrupt); :func:`nth_call_raises` makes the k-th call of a function raise; :class:`StopAfter`
+is a DCP reader that stops part-way.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
 from te_ckpt_placement import engine
 
@@ -26,6 +30,30 @@ def nth_call_raises(k: int, exc: BaseException, fn: Any) -> Any:
         return fn(*args, **kwargs)
 
     return wrapper
+
+
+class StopAfter(FileSystemReader):
+    """Reads the first ``count`` optimizer-state items of the plan (all of them for None), then
+    raises ``exc`` (an ``OSError`` by default), or returns if ``quietly``."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        count: int | None,
+        *,
+        exc: BaseException | None = None,
+        quietly: bool = False,
+    ) -> None:
+        super().__init__(str(path))
+        self.count, self.quietly = count, quietly
+        self.exc = OSError("the disk went away") if exc is None else exc
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Any:
+        items = [i for i in plan.items if "optim.state." in i.dest_index.fqn][: self.count]
+        done = super().read_data(LoadPlan(items), planner)
+        if self.quietly:
+            return done
+        raise self.exc
 
 
 FAULTS = {
