@@ -67,9 +67,7 @@ def init_gloo_mesh(rank: int, port: int, timeout_s: float = 120) -> DeviceMesh:
     return init_device_mesh("cpu", (WORLD,))
 
 
-def init_gpu_rank(
-    rank: int, port: int, *, timeout_s: float = 300, world_size: int = WORLD
-) -> None:
+def init_gpu_rank(rank: int, port: int, *, timeout_s: float = 300, world_size: int = WORLD) -> None:
     """A GPU test's rank: GPU ``rank`` current, the :data:`GPU_BACKEND` group of ``world_size``
     ranks, and TE's FusedAdam hooked (``install``, which imports TE)."""
     torch.cuda.set_device(rank)

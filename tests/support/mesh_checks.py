@@ -31,6 +31,7 @@ cannot scale an empty state (the absmax, fused_adam.py L298).
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -126,7 +127,7 @@ def _hsdp(device: str, mesh: DeviceMesh | None, dtype: torch.dtype, seed: int, e
 
     torch.manual_seed(seed)
     dims = (3, 5, 4, 1) if empty else (3, 5, 4)
-    layers = [torch.nn.Linear(a, b) for a, b in zip(dims, dims[1:], strict=False)]
+    layers = [torch.nn.Linear(a, b) for a, b in itertools.pairwise(dims)]
     model = torch.nn.Sequential(*layers).to(dtype)
     if mesh is None:
         return model.to(device)
@@ -171,9 +172,7 @@ def assert_layout(run: MeshRun, where: str) -> None:
     assert len(params) == len(run.params()), f"{where}: not every parameter is a DTensor"
     placements = {tuple(p.placements) for p in params}
     expected = (
-        {placements for _, placements in MOE_PARAMS.values()}
-        if run.layout == "moe"
-        else {(R, S0)}
+        {placements for _, placements in MOE_PARAMS.values()} if run.layout == "moe" else {(R, S0)}
     )
     assert placements == expected, f"{where}: placements {placements}"
     assert all(p.device_mesh.ndim == 2 for p in params), f"{where}: not a 2-D mesh"
@@ -197,7 +196,7 @@ def check_exports(run: MeshRun, where: str) -> None:
     for key, state in ours.items():
         if not key.startswith("state."):
             continue
-        fqn, name = key[len("state.") :].rsplit(".", 1)
+        fqn = key[len("state.") :].rsplit(".", 1)[0]
         param = params[fqn]
         label = f"{where} {key}"
         assert isinstance(state, DTensor), f"{label}: not a DTensor"
@@ -406,8 +405,8 @@ def run_mesh_checks(
     for layout in LAYOUTS:
         meshes = Meshes(backend.device, layout)
         for moments, master in (*CASES, *extra_cases):
-            name = f"{moments}_{master}".replace("torch.", "")
-            check_saves_and_loads(backend, meshes.four, layout, moments, master, root / layout / name)
+            path = root / layout / f"{moments}_{master}".replace("torch.", "")
+            check_saves_and_loads(backend, meshes.four, layout, moments, master, path)
         check_resharding(backend, meshes, root / layout / "reshard")
         if layout == "moe":
             check_strided_remainders(backend, meshes, root / layout / "strided_remainders")
