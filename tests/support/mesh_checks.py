@@ -23,7 +23,7 @@ cannot scale an empty state (the absmax, fused_adam.py L298).
    the template path and through ``StreamingLoadPlanner``, equal to TE's load of the same
    checkpoint and, where loads are exact (all but FP16/FP8), to the saved optimizer; three more
    steps then equal the uninterrupted run.
-3. Resharding 4 -> 2 -> 1 -> 2 -> 4 (a (1, 2) mesh on ranks 0 and 1; one process with no group),
+3. Resharding 4 -> 2 -> 1 -> 2 -> 4 (a 2-D mesh on ranks 0 and 1; one process with no group),
    each stage saved another way and loaded through the planner and the template path, equal to
    the saved run's global values; training continued on 1 rank and on 4 equals the
    uninterrupted run.
@@ -83,8 +83,13 @@ def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+#: The 2-rank mesh (ranks 0 and 1) of the resharding checks: HSDP as 2 replicas of whole
+#: tensors; the MoE block with its experts on 2 ep ranks (dp_shard 1).
+TWO = {"hsdp": (2, 1), "moe": (1, 2)}
+
+
 class Meshes:
-    """A layout's 2 x 2 mesh of the 4 ranks, and the (1, 2) mesh on ranks 0 and 1 that the
+    """A layout's 2 x 2 mesh of the 4 ranks, and its :data:`TWO` mesh on ranks 0 and 1 that the
     resharding checks load into (None on ranks 2 and 3). Collective: every rank makes it."""
 
     def __init__(self, device: str, layout: str) -> None:
@@ -92,13 +97,15 @@ class Meshes:
         self.layout = layout
         self.four = init_device_mesh(device, SHAPE, mesh_dim_names=names)
         self.pair = dist.new_group([0, 1])
-        singles = [dist.new_group([r]) for r in range(WORLD)]
+        singles = [dist.new_group([r]) for r in range(WORLD)]  # new_group is collective
         self.two: DeviceMesh | None = None
         if rank() < 2:
+            single = singles[rank()]
+            paired = TWO[layout][0] == 2
             self.two = DeviceMesh.from_group(
-                [singles[rank()], self.pair],
+                [self.pair, single] if paired else [single, self.pair],
                 device,
-                mesh=torch.tensor([[0, 1]]),
+                mesh=torch.tensor([0, 1]).reshape(TWO[layout]),
                 mesh_dim_names=names,
             )
 
