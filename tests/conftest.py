@@ -1,4 +1,4 @@
-"""Skips GPU tests cleanly where CUDA or Transformer Engine is missing."""
+"""Skips GPU tests cleanly where CUDA, Transformer Engine or enough GPUs are missing."""
 
 from __future__ import annotations
 
@@ -7,6 +7,9 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+
+#: GPUs a ``multigpu`` test needs unless it says more (``@pytest.mark.multigpu(4)``).
+MULTIGPU_DEFAULT = 2
 
 
 @functools.cache
@@ -20,15 +23,38 @@ def gpu_skip_reason() -> str | None:
     return None
 
 
+def required_gpus(marker: pytest.Mark) -> int:
+    """The GPUs a ``multigpu`` marker asks for: 2 bare, ``n`` as ``multigpu(n)``."""
+    if not marker.args and not marker.kwargs:
+        return MULTIGPU_DEFAULT
+    n = marker.args[0] if len(marker.args) == 1 and not marker.kwargs else None
+    if not isinstance(n, int) or isinstance(n, bool) or n < MULTIGPU_DEFAULT:
+        raise pytest.UsageError(
+            f"unsupported marker {marker.name}{marker.args or ''}{marker.kwargs or ''}: valid "
+            f"values are @pytest.mark.multigpu ({MULTIGPU_DEFAULT} GPUs) or "
+            f"@pytest.mark.multigpu(n) with an int n >= {MULTIGPU_DEFAULT}"
+        )
+    return n
+
+
+def skip_reason(item: pytest.Item, device_count: int) -> str | None:
+    """Why ``item`` cannot run with ``device_count`` GPUs (None: it can, or it needs none)."""
+    multi = item.get_closest_marker("multigpu")
+    if multi is None and item.get_closest_marker("gpu") is None:
+        return None
+    needed = 1 if multi is None else required_gpus(multi)  # a bad marker fails without a GPU too
+    reason = gpu_skip_reason()
+    if reason is None and device_count < needed:
+        reason = f"needs {needed} CUDA GPUs"
+    return reason
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for item in items:
-        if item.get_closest_marker("gpu") or item.get_closest_marker("multigpu"):
-            reason = gpu_skip_reason()
-            multi = item.get_closest_marker("multigpu") is not None
-            if reason is None and multi and torch.cuda.device_count() < 2:
-                reason = "needs 2 CUDA GPUs"
-            if reason is not None:
-                item.add_marker(pytest.mark.skip(reason=reason))
+        reason = skip_reason(item, count)
+        if reason is not None:
+            item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture

@@ -7,6 +7,8 @@
   functions included: the GPU tests' imports run only on the GPU machine.
 - A test module with ``gpu``/``multigpu`` tests is named ``test_gpu_*.py``, and each of those has
   some; tests/README.md lists every one of them under the GPU kit.
+- ``multigpu`` says how many GPUs a test needs (``multigpu(4)``; 2 bare), and ``conftest.py``
+  skips it with that number where fewer are there.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import re
 from pathlib import Path
 
 import pytest
+
+from . import conftest
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
@@ -144,3 +148,38 @@ def test_readme_lists_the_gpu_tests() -> None:
     places = (TESTS, TESTS / "support", ROOT)  # the README names files relative to these
     stale = sorted(name for name in named if not any((p / name).exists() for p in places))
     assert not stale, f"tests/README.md names files that do not exist: {stale}"
+
+
+class _Item:
+    """What ``conftest.skip_reason`` asks of a test item: its markers."""
+
+    def __init__(self, *marks: pytest.MarkDecorator) -> None:
+        self.marks = {m.mark.name: m.mark for m in marks}
+
+    def get_closest_marker(self, name: str) -> pytest.Mark | None:
+        return self.marks.get(name)
+
+
+def test_multigpu_marker_says_how_many_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Through a name: test_gpu_tests_are_named_for_it counts each pytest.mark.<GPU marker>.
+    marks = pytest.mark
+    multigpu, gpu = marks.multigpu, marks.gpu
+    assert conftest.required_gpus(multigpu.mark) == 2
+    assert conftest.required_gpus(multigpu(4).mark) == 4
+    for bad in (multigpu(1), multigpu("4"), multigpu(True), multigpu(4, 8), multigpu(n=4)):
+        with pytest.raises(pytest.UsageError, match=r"valid values are @pytest\.mark\.multigpu"):
+            conftest.required_gpus(bad.mark)
+    monkeypatch.setattr(conftest, "gpu_skip_reason", lambda: None)  # CUDA and TE are there
+    skip = conftest.skip_reason
+    assert skip(_Item(multigpu(4)), 2) == "needs 4 CUDA GPUs"
+    assert skip(_Item(multigpu(4)), 4) is None
+    assert skip(_Item(multigpu), 1) == "needs 2 CUDA GPUs"
+    assert skip(_Item(multigpu), 2) is None
+    assert skip(_Item(gpu), 1) is None
+    assert skip(_Item(), 0) is None
+    # Without CUDA or TE, the reason says that first, whatever the count.
+    monkeypatch.setattr(conftest, "gpu_skip_reason", lambda: "needs a CUDA GPU")
+    assert skip(_Item(multigpu(4)), 0) == "needs a CUDA GPU"
+    assert skip(_Item(gpu), 0) == "needs a CUDA GPU"
+    with pytest.raises(pytest.UsageError):  # a bad marker fails on a CPU-only machine too
+        skip(_Item(multigpu(0)), 0)

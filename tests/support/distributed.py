@@ -1,8 +1,9 @@
-"""Process groups, sharded models and global comparisons for the 2-rank tests.
+"""Process groups, sharded models and global comparisons for the multi-rank tests.
 
-``spawn`` starts 2 ranks; ``init_gloo_mesh`` gives a CPU rank its gloo mesh with the stand-in
-hooked, ``init_gpu_rank`` a GPU rank its ``cpu:gloo,cuda:nccl`` group with TE hooked; both join the
-group through ``init_group``. The other helpers work on any mesh.
+``spawn`` starts 2 ranks (``nprocs=4`` for the 2-D mesh tests); ``init_gloo_mesh`` gives a CPU
+rank its gloo mesh with the stand-in hooked, ``init_gpu_rank`` a GPU rank its
+``cpu:gloo,cuda:nccl`` group with TE hooked; both join the group through ``init_group``. The
+other helpers work on any mesh.
 """
 
 from __future__ import annotations
@@ -32,11 +33,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def spawn(worker: Callable[..., None], *args: Any) -> None:
-    """Runs ``worker(rank, port, *args)`` on 2 ranks; a failing rank's exception is re-raised."""
+def spawn(worker: Callable[..., None], *args: Any, nprocs: int = WORLD) -> None:
+    """Runs ``worker(rank, port, *args)`` on ``nprocs`` ranks; a failing rank's exception is
+    re-raised."""
     import torch.multiprocessing as mp
 
-    mp.spawn(worker, args=(free_port(), *args), nprocs=WORLD, join=True)
+    mp.spawn(worker, args=(free_port(), *args), nprocs=nprocs, join=True)
 
 
 # The GPU tests' default group: NCCL for CUDA tensors, and gloo for CPU tensors, which
@@ -44,12 +46,15 @@ def spawn(worker: Callable[..., None], *args: Any) -> None:
 GPU_BACKEND = "cpu:gloo,cuda:nccl"
 
 
-def init_group(rank: int, port: int, *, backend: str, timeout_s: float) -> None:
-    """Joins this rank to the 2-rank default process group, rendezvous on ``port`` of this host."""
+def init_group(
+    rank: int, port: int, *, backend: str, timeout_s: float, world_size: int = WORLD
+) -> None:
+    """Joins this rank to the default process group of ``world_size`` ranks, rendezvous on
+    ``port`` of this host."""
     dist.init_process_group(
         backend,
         rank=rank,
-        world_size=WORLD,
+        world_size=world_size,
         init_method=f"tcp://127.0.0.1:{port}",
         timeout=datetime.timedelta(seconds=timeout_s),
     )
@@ -62,11 +67,11 @@ def init_gloo_mesh(rank: int, port: int, timeout_s: float = 120) -> DeviceMesh:
     return init_device_mesh("cpu", (WORLD,))
 
 
-def init_gpu_rank(rank: int, port: int, *, timeout_s: float = 300) -> None:
-    """A GPU test's rank: GPU ``rank`` current, the 2-rank :data:`GPU_BACKEND` group, and TE's
-    FusedAdam hooked (``install``, which imports TE)."""
+def init_gpu_rank(rank: int, port: int, *, timeout_s: float = 300, world_size: int = WORLD) -> None:
+    """A GPU test's rank: GPU ``rank`` current, the :data:`GPU_BACKEND` group of ``world_size``
+    ranks, and TE's FusedAdam hooked (``install``, which imports TE)."""
     torch.cuda.set_device(rank)
-    init_group(rank, port, backend=GPU_BACKEND, timeout_s=timeout_s)
+    init_group(rank, port, backend=GPU_BACKEND, timeout_s=timeout_s, world_size=world_size)
     te_hooks.install()
 
 
