@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
-from te_ckpt_placement import export_placement
+from te_ckpt_placement import export_placement, te_load
 from te_ckpt_placement.dcp import (
     PlacedOptimizerState,
     StreamingLoadPlanner,
@@ -289,6 +289,36 @@ def test_bad_checkpoints_are_rejected_before_any_write(tmp_path: Path, case: str
     assert hyperparams(run.opt) == before_groups
     assert all(torch.equal(bits(p), w) for p, w in zip(run.params(), weights, strict=True))
     assert "0 of" in planner.progress and "0 partly written" in planner.progress
+
+
+@pytest.mark.usefixtures("quiet")
+def test_a_write_that_would_be_refused_stops_the_load_before_any_state_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An assembled state (FP16 here) is written when its last item has arrived; whether TE's
+    load takes it is checked before the first read, not after other states were written."""
+    run = trained(torch.float16, "remainder")
+    save(run, tmp_path)
+    ours = trained(torch.float16, "remainder", seed=21)
+    before, before_groups = by_position(ours.opt), hyperparams(ours.opt)
+    last = ours.params()[-1]
+    check = te_load._check_value
+
+    def refuse(optimizer: Any, param: Any, index: Any, name: str, value: Any) -> None:
+        if param is last and name == "exp_avg_sq":
+            raise ValueError("injected: TE's load refuses this value")
+        check(optimizer, param, index, name, value)
+
+    monkeypatch.setattr(te_load, "_check_value", refuse)
+    state = {"optim": ours.state()}
+    planner = StreamingLoadPlanner(state["optim"])
+    with pytest.raises(CheckpointException, match="injected") as info, no_template(ours.opt):
+        dcp.load(state, checkpoint_id=str(tmp_path), planner=planner)
+    assert "No state was written" in str(info.value)
+    assert_snapshot_equal(by_position(ours.opt), before)
+    assert hyperparams(ours.opt) == before_groups
+    assert "0 of" in planner.progress and "0 partly written" in planner.progress
+    assert planner.peak_assembly_bytes == 0  # refused before any buffer was made
 
 
 # --- failures after writing began ---------------------------------------------------------------
