@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
-from te_ckpt_placement import export_placement, te_load
+from te_ckpt_placement import export_placement, reports, te_load
 from te_ckpt_placement.dcp import (
     PlacedOptimizerState,
     StreamingLoadPlanner,
@@ -144,6 +144,28 @@ def test_over_budget_assembly_warns_and_completes(tmp_path: Path) -> None:
     load_template_path(ref, tmp_path)
     assert_same_run(ours, ref, "over budget")
     assert planner.peak_assembly_bytes == 4 * whole_state_elements(ours)[0]
+
+
+@pytest.mark.usefixtures("quiet")
+@pytest.mark.parametrize("moments", WHOLE, ids=str)
+def test_a_fresh_optimizer_load_holds_one_copy_of_one_state_at_a_time(
+    tmp_path: Path, moments: torch.dtype
+) -> None:
+    """Into a fresh optimizer (the planner makes its initial states): one host buffer of one
+    FP16/FP8 state at a time, and on the device only the FP32 copy that TE scales it from."""
+    run = trained(moments, "fp32")
+    save(run, tmp_path)
+    ours, ref = plain_run(moments, "fp32", seed=7), plain_run(moments, "fp32", seed=7)
+    assert not ours.opt.state
+    with reports.operation("load"):
+        planner = load_streaming(ours, tmp_path)
+    report = reports.last_report()
+    load_template_path(ref, tmp_path)
+    assert_same_run(ours, ref, "fresh optimizer: streaming vs template path")
+    largest, _ = whole_state_elements(ours)
+    assert planner.peak_assembly_bytes == 4 * largest
+    assert report is not None and report.gpu_bytes == 4 * largest, report
+    assert report.states == 2 * len(ours.params())  # the moments; FP32 masters went in place
 
 
 def double_rounding_values(shape: torch.Size, gen: torch.Generator) -> torch.Tensor:

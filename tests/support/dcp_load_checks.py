@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from te_ckpt_placement import export_placement
+from te_ckpt_placement import export_placement, reports
 from te_ckpt_placement.dcp import StreamingLoadPlanner, StreamingLoadWarning
 
 from .backends import Backend
@@ -275,13 +275,17 @@ def check_column_sharded_resharding(backend: Backend, mesh: DeviceMesh, root: Pa
             for _ in range(2)
         )
         load_template_path(ref, path, process_group=solo)
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught, reports.operation("load"):
             warnings.simplefilter("always", StreamingLoadWarning)
             planner = load_streaming(ours, path, process_group=solo)
+        report = reports.last_report()
         assert_same_run(ours, ref, f"{where}: streaming vs template path")
         if moments not in WHOLE:
             assert_same_full(ours.full(), saved_full, f"{where}: loaded")
         assert planner.peak_assembly_bytes == assembled_bytes(ours), where
+        # On the device only the FP32 copy TE scales an FP16/FP8 state from, one at a time: an
+        # assembled BF16/FP32/int16 state goes from its host buffer through the pinned pipeline.
+        assert report is not None and report.gpu_bytes == 4 * whole_state_elements(ours)[0], where
         said = [str(w.message) for w in caught if issubclass(w.category, StreamingLoadWarning)]
         assert len(said) == 1 and "arrive interleaved" in said[0], f"{where}: {said}"
         assert "strided pieces" in said[0] or moments in WHOLE, f"{where}: {said}"
