@@ -13,6 +13,7 @@ In every streaming load the optimizer's ``state_dict()`` is made to fail: no tem
 
 from __future__ import annotations
 
+import json
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -228,6 +229,23 @@ def test_the_benchmark_streaming_load_runs(tmp_path: Path) -> None:
     assert_same_run(ours, run, "benchmark load vs saved")
     assert report["peak_assembly_bytes"] == 0 and report["fallbacks"] == []
     assert report["versions"]["torch"] == torch.__version__
+
+
+def test_the_fresh_load_memory_benchmark_runs(tmp_path: Path) -> None:
+    """benchmarks/fresh_load_memory.py on the stand-in: one record, checked against TE's load."""
+    from benchmarks import fresh_load_memory as bench
+
+    out = tmp_path / "fresh.json"
+    argv = ["--cpu-smoke", "--moments", "fp16", "--hidden", "16", "--out", str(out)]
+    assert bench.main([*argv, "--dir", str(tmp_path)]) == 0
+    written = json.loads(out.read_text())
+    (record,) = written["records"]
+    assert written["machine"]["cpu_smoke"] is True
+    assert record["equal_to_te_load"] is True and record["peak_extra_gpu_bytes"] is None
+    assert (record["n_elements"], record["max_elements"]) == (2 * 16 * 16, 16 * 16)
+    assert record["bound_bytes"] == 8 * 16 * 16 + 2**20
+    assert record["peak_assembly_bytes"] == 4 * 16 * 16  # one FP16 state at a time
+    assert not dist.is_initialized()  # its 1-rank group is gone
 
 
 # --- checks before any write --------------------------------------------------------------------
