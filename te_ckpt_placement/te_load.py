@@ -42,7 +42,7 @@ from .te_contract import (
 
 __all__ = [
     "PartialLoadError",
-    "check_state",
+    "check_states",
     "initialize_states",
     "initialized_for_load",
     "load_state",
@@ -687,15 +687,16 @@ def _checked_jobs(optimizer: Any, states: Iterable[tuple[torch.Tensor, str, Any]
     return jobs
 
 
-def check_state(optimizer: Any, param: torch.Tensor, name: str, value: Any) -> None:
-    """Raises the ``ValueError`` that :func:`load_state` would raise for ``value``; writes nothing.
+def check_states(optimizer: Any, states: Iterable[tuple[torch.Tensor, str, Any]]) -> None:
+    """Raises the ``ValueError`` that :func:`load_state` would raise for one of ``states``.
 
-    For a loader that writes each state when its last piece has arrived: checked before the first
-    piece is read, a value that ``load_state`` would refuse stops the load before any state is
-    written. Only the value's kind, dtype and shape matter (a zero-stride expanded tensor of
-    them will do); failures of the write itself (an allocation, a device error) remain possible.
+    Writes nothing. For a loader that writes each state when its last piece has arrived: checked
+    before the first piece is read, a value that ``load_state`` would refuse stops the load before
+    any state is written. Only each value's kind, dtype and shape matter (a zero-stride expanded
+    tensor of them will do); failures of a write itself (an allocation, a device error) remain
+    possible.
     """
-    _checked_jobs(optimizer, [(param, name, value)])
+    _checked_jobs(optimizer, states)
 
 
 def load_state(optimizer: Any, param: torch.Tensor, name: str, value: Any) -> None:

@@ -19,10 +19,9 @@ counts the bytes held and warns once over the budget.
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -66,19 +65,20 @@ class Assembly:
         buffer; a state with no local elements has no items and is never written.
         """
         assembled = [t for t in targets if t.live is None and t.numel > 0]
-        problems = []
+        writes: dict[int, tuple[Any, list[tuple[torch.Tensor, str, torch.Tensor]]]] = {}
         for target in assembled:
             # The write's own checks, on a stand-in of the buffer (its dtype and shape, no data).
             probe = torch.empty((), dtype=buffer_dtype(target)).expand(target.local_shape)
+            entry = writes.setdefault(id(target.optimizer), (target.optimizer, []))
+            entry[1].append((target.param, target.name, probe))
+        for optimizer, states in writes.values():
             try:
-                te_load.check_state(target.optimizer, target.param, target.name, probe)
+                te_load.check_states(optimizer, states)
             except ValueError as exc:
-                problems.append(f"{target.dcp_key}: {exc}")
-        if problems:
-            raise ValueError(
-                "cannot load the optimizer checkpoint: a state assembled on the host would be "
-                f"refused when written ({'; '.join(problems[:4])}). No state was written."
-            )
+                raise ValueError(
+                    "cannot load the optimizer checkpoint: a state assembled on the host would "
+                    f"be refused when written ({exc}). No state was written."
+                ) from exc
         if self.max_bytes is None:
             self.budget = max((_nbytes(t) for t in assembled), default=0)
 
@@ -89,6 +89,7 @@ class Assembly:
         if self.open_bytes + nbytes > self.budget and not self._warned:
             self._warned = True
             held = dict(self._open, **{kind: self._open[kind] + 1})
+            states = sum(held.values())
             described = ", ".join(
                 f"{count} {what}"
                 for what, count in (
@@ -99,7 +100,7 @@ class Assembly:
             )
             warnings.warn(
                 f"StreamingLoadPlanner holds {self.open_bytes + nbytes} bytes of host assembly "
-                f"buffers for {sum(held.values())} states ({described}), over "
+                f"buffers for {states} state{'s' if states > 1 else ''} ({described}), over "
                 f"max_assembly_bytes={self.budget}: the saved pieces of these states arrive "
                 "interleaved (a load on another world size reads file by file). The load "
                 "completes; the buffers are at most the size of the assembled states (FP32, "
@@ -113,7 +114,7 @@ class Assembly:
         self.peak_bytes = max(self.peak_bytes, self.open_bytes)
         return buffer
 
-    def release(self, target: _Target, buffer: torch.Tensor) -> None:
-        """Counts ``buffer`` as freed (the caller drops it)."""
-        self.open_bytes -= math.prod(buffer.shape) * buffer.element_size()
+    def release(self, target: _Target) -> None:
+        """Counts ``target``'s buffer as freed (the caller drops it)."""
+        self.open_bytes -= _nbytes(target)
         self._open[_kind(target)] -= 1

@@ -808,7 +808,7 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
                 left = target.remaining - math.prod(read_item.lengths)
                 if left == 0 and target.buffer is not None:
                     _write_state(target.optimizer, target.param, target.name, target.buffer)
-                    self._assembly.release(target, target.buffer)
+                    self._assembly.release(target)
                     target.buffer = None
                 target.remaining = left  # a failed write above leaves the state "partly written"
             except Exception as exc:
