@@ -187,7 +187,7 @@ def measure(moments_name: str, layers: int, hidden: int, root: Path) -> dict[str
 
     # TE's own load of the same checkpoint into another fresh optimizer: the same bits.
     ours = dcp_e2e.fingerprint(model, opt)
-    del adapter, opt
+    del adapter, opt, planner
     gc.collect()
     ref = dcp_e2e.make_optimizer(model, moments, remainders=False)
     te_own = PlacedOptimizerState(model, ref, placement=None)
