@@ -171,11 +171,6 @@ def build(
     """
     from torch.distributed.fsdp import fully_shard
 
-    if SMOKE:
-        from tests.support.standin import StandInFusedAdam as FusedAdam
-    else:
-        from transformer_engine.pytorch.optimizers import FusedAdam
-
     torch.manual_seed(seed)  # the same full weights on every rank; fully_shard keeps its shard
     model = torch.nn.Sequential(
         *[torch.nn.Linear(hidden, hidden, bias=False) for _ in range(layers)]
@@ -183,7 +178,20 @@ def build(
     for layer in model:
         fully_shard(layer)
     fully_shard(model)
-    opt = FusedAdam(
+    opt = make_optimizer(model, moments, remainders=remainders)
+    for _ in range(2):
+        train_step(model, opt, hidden)
+    return model, opt
+
+
+def make_optimizer(model: Any, moments: torch.dtype, *, remainders: bool = True) -> Any:
+    """:func:`build`'s TE FusedAdam of ``model`` (the stand-in under --cpu-smoke), with no state."""
+    if SMOKE:
+        from tests.support.standin import StandInFusedAdam as FusedAdam
+    else:
+        from transformer_engine.pytorch.optimizers import FusedAdam
+
+    return FusedAdam(
         model.parameters(),
         lr=1e-4,
         master_weights=True,
@@ -191,9 +199,6 @@ def build(
         exp_avg_dtype=moments,
         exp_avg_sq_dtype=moments,
     )
-    for _ in range(2):
-        train_step(model, opt, hidden)
-    return model, opt
 
 
 def train_step(model: Any, opt: Any, hidden: int) -> None:

@@ -42,6 +42,7 @@ from .te_contract import (
 
 __all__ = [
     "PartialLoadError",
+    "check_states",
     "check_value",
     "group_steps",
     "initialize_states",
@@ -669,6 +670,17 @@ def load_states(
 def _load_states(
     optimizer: Any, states: Iterable[tuple[torch.Tensor, str, Any]], *, rollback: bool
 ) -> None:
+    jobs = _checked_jobs(optimizer, states)
+    _count_te_cost(
+        optimizer, [(j.index, j.param, {j.name: j.value}) for j in jobs], bulk_cast=False
+    )
+    undo = _Rollback(optimizer) if rollback else None
+    _write_all(optimizer, lambda: jobs, undo)
+    note_loaded(optimizer)
+
+
+def _checked_jobs(optimizer: Any, states: Iterable[tuple[torch.Tensor, str, Any]]) -> list[_Job]:
+    """The writes of ``states``, each validated as :func:`load_states` documents."""
     check_contract(optimizer)
     position = {
         id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])
@@ -688,12 +700,19 @@ def _load_states(
         seen.add((id(param), name))
         check_value(optimizer, param, index, name, value)
         jobs.append(_Job(index, param, name, value))
-    _count_te_cost(
-        optimizer, [(j.index, j.param, {j.name: j.value}) for j in jobs], bulk_cast=False
-    )
-    undo = _Rollback(optimizer) if rollback else None
-    _write_all(optimizer, lambda: jobs, undo)
-    note_loaded(optimizer)
+    return jobs
+
+
+def check_states(optimizer: Any, states: Iterable[tuple[torch.Tensor, str, Any]]) -> None:
+    """Raises the ``ValueError`` that :func:`load_state` would raise for one of ``states``.
+
+    Writes nothing. For a loader that writes each state when its last piece has arrived: checked
+    before the first piece is read, a value that ``load_state`` would refuse stops the load before
+    any state is written. Only each value's kind, dtype and shape matter (a zero-stride expanded
+    tensor of them will do); failures of a write itself (an allocation, a device error) remain
+    possible.
+    """
+    _checked_jobs(optimizer, states)
 
 
 def load_state(optimizer: Any, param: torch.Tensor, name: str, value: Any) -> None:
@@ -792,10 +811,10 @@ def initialize_states(optimizer: Any) -> bool:
     that has no state with a fake step (``_init_optim_state``): zero gradients for every
     parameter, then ``step()`` with its temporaries, all on the GPU. TE can build its states
     directly (``initialize_state``, TE 2.20.2 fused_adam.py L456-480, the call its own ``step``
-    makes at L630-634), and torch skips its fake step for an optimizer that has state. Where TE
-    keeps only BF16 and FP32 (or int16 remainder) states, the FP32 masters are copied from the
-    parameters in place (:func:`_initialize_in_place`), since TE's initializer makes an FP32
-    copy of each parameter first. Each group's ``"step"`` is counted as TE's step counts it
+    makes at L630-634), and torch skips its fake step for an optimizer that has state. The
+    states are made by TE's own calls, except that an FP32 master is copied from its parameter
+    in place, without the FP32 copy of the parameter that TE's initializer makes first
+    (:func:`_initialize_param`). Each group's ``"step"`` is counted as TE's step counts it
     (L571-587): a flattened ``set_optimizer_state_dict`` loads only the group keys the live
     groups have, so without the key the checkpoint's step count would be dropped.
 
@@ -810,16 +829,11 @@ def initialize_states(optimizer: Any) -> bool:
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if optimizer.state or any(p.grad is not None for p in params):
         return False
-    unscaled = (torch.bfloat16, torch.float32)
-    plain = all(type(local_of(p)) in (torch.Tensor, torch.nn.Parameter) for p in params)
+    masters = bool(getattr(optimizer, "master_weights", False))
     try:
-        if plain and all(dtype in unscaled for dtype in optimizer.name_to_dtype_map.values()):
-            _initialize_in_place(optimizer)
-        else:
+        with torch.no_grad():
             for param in params:
-                optimizer.initialize_state(
-                    param, bool(optimizer.store_param_remainders and param.dtype == torch.bfloat16)
-                )
+                _initialize_param(optimizer, param, masters)
     except BaseException:
         # An optimizer with some states would look initialized to the next attempt and to
         # TE's step: take back every state and scale made so far.
@@ -838,28 +852,37 @@ def initialize_states(optimizer: Any) -> bool:
     return True
 
 
-def _initialize_in_place(optimizer: Any) -> None:
-    """TE's ``initialize_state`` for every parameter, with each FP32 master written in place.
+def _initialize_param(optimizer: Any, param: torch.Tensor, masters: bool) -> None:
+    """TE's ``initialize_state(param, ...)`` with the same calls, minus its copy of the parameter.
 
     TE's initializer (TE 2.20.2 fused_adam.py L456-480) makes the moments with
     ``_initialize_state(zero_buffer=True)`` (L463-464), an int16 remainder master with
-    ``_initialize_state`` alone (zeros, L465-471 and L418-419), and an FP32 master as an empty
+    ``_initialize_state`` alone (zeros, L465-471 and L418-419), and any other master as an empty
     state filled from ``local_param.clone().detach().float()`` through ``set_scaled_state``
-    (L472-480): a temporary of 6 bytes per element of a 16-bit parameter. Here the same calls make
-    every state, and the FP32 master is filled by ``copy_`` from the parameter, the same exact
-    widening on the device without the temporary. The result is TE's initial state bit for bit,
-    made on the state's device with nothing but the states allocated.
+    (L472-480): for a 16-bit parameter a temporary of 6 bytes per element (the clone, then its
+    FP32 copy), whatever the moments' dtypes. Here the same calls make every state in the same
+    order; an FP32 master is then filled by ``copy_`` from the parameter (the same exact widening,
+    no temporary), and an FP16 master, which TE scales by its absmax, from one FP32 copy of the
+    parameter (``.float()``, a new tensor for a 16-bit parameter, a clone for an FP32 one, since
+    TE's scaling multiplies it in place at L306-308). A quantized parameter, which TE dequantizes
+    for its master (L476-477), goes through TE's ``initialize_state`` itself. The result is TE's
+    initial state bit for bit.
     """
-    masters = bool(getattr(optimizer, "master_weights", False))
-    with torch.no_grad():
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                optimizer._initialize_state(param, "exp_avg", True)
-                optimizer._initialize_state(param, "exp_avg_sq", True)
-                if not masters:
-                    continue
-                remainder = is_remainder(optimizer, param, "master_param")
-                optimizer._initialize_state(param, "master_param", False, remainder)
-                if not remainder:
-                    master = local_of(optimizer.state[param]["master_param"])
-                    master.copy_(local_of(param).detach())
+    remainder = is_remainder(optimizer, param, "master_param")
+    local = local_of(param)
+    if masters and not remainder and not _plain(local):
+        optimizer.initialize_state(param, remainder)
+        return
+    optimizer._initialize_state(param, "exp_avg", True)
+    optimizer._initialize_state(param, "exp_avg_sq", True)
+    if not masters:
+        return
+    optimizer._initialize_state(param, "master_param", False, remainder)
+    if remainder:
+        return
+    if optimizer.name_to_dtype_map["master_param"] == torch.float16:
+        source = local.detach()
+        value = source.clone() if source.dtype == torch.float32 else source.float()
+        optimizer.set_scaled_state(param, "master_param", value)
+    else:
+        local_of(optimizer.state[param]["master_param"]).copy_(local.detach())

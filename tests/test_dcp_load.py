@@ -14,6 +14,7 @@ In every streaming load the optimizer's ``state_dict()`` is made to fail: no tem
 
 from __future__ import annotations
 
+import json
 import re
 import warnings
 from collections.abc import Callable, Iterator
@@ -34,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
-from te_ckpt_placement import export_placement
+from te_ckpt_placement import export_placement, reports, te_load
 from te_ckpt_placement.dcp import (
     PlacedOptimizerState,
     StreamingLoadPlanner,
@@ -150,6 +151,28 @@ def test_over_budget_assembly_warns_and_completes(tmp_path: Path) -> None:
     assert planner.peak_assembly_bytes == 4 * whole_state_elements(ours)[0]
 
 
+@pytest.mark.usefixtures("quiet")
+@pytest.mark.parametrize("moments", WHOLE, ids=str)
+def test_a_fresh_optimizer_load_holds_one_copy_of_one_state_at_a_time(
+    tmp_path: Path, moments: torch.dtype
+) -> None:
+    """Into a fresh optimizer (the planner makes its initial states): one host buffer of one
+    FP16/FP8 state at a time, and on the device only the FP32 copy that TE scales it from."""
+    run = trained(moments, "fp32")
+    save(run, tmp_path)
+    ours, ref = plain_run(moments, "fp32", seed=7), plain_run(moments, "fp32", seed=7)
+    assert not ours.opt.state
+    with reports.operation("load"):
+        planner = load_streaming(ours, tmp_path)
+    report = reports.last_report()
+    load_template_path(ref, tmp_path)
+    assert_same_run(ours, ref, "fresh optimizer: streaming vs template path")
+    largest, _ = whole_state_elements(ours)
+    assert planner.peak_assembly_bytes == 4 * largest
+    assert report is not None and report.gpu_bytes == 4 * largest, report
+    assert report.states == 2 * len(ours.params())  # the moments; FP32 masters went in place
+
+
 def double_rounding_values(shape: torch.Size, gen: torch.Generator) -> torch.Tensor:
     """FP64 values whose BF16 rounding depends on going through FP32 first (TE's way).
 
@@ -256,6 +279,23 @@ def test_the_benchmark_streaming_load_runs(tmp_path: Path) -> None:
     assert report["versions"]["torch"] == torch.__version__
 
 
+def test_the_fresh_load_memory_benchmark_runs(tmp_path: Path) -> None:
+    """benchmarks/fresh_load_memory.py on the stand-in: one record, checked against TE's load."""
+    from benchmarks import fresh_load_memory as bench
+
+    out = tmp_path / "fresh.json"
+    argv = ["--cpu-smoke", "--moments", "fp16", "--hidden", "16", "--out", str(out)]
+    assert bench.main([*argv, "--dir", str(tmp_path)]) == 0
+    written = json.loads(out.read_text())
+    (record,) = written["records"]
+    assert written["machine"]["cpu_smoke"] is True
+    assert record["equal_to_te_load"] is True and record["peak_extra_gpu_bytes"] is None
+    assert (record["n_elements"], record["max_elements"]) == (2 * 16 * 16, 16 * 16)
+    assert record["bound_bytes"] == 8 * 16 * 16 + 2**20
+    assert record["peak_assembly_bytes"] == 4 * 16 * 16  # one FP16 state at a time
+    assert not dist.is_initialized()  # its 1-rank group is gone
+
+
 # --- checks before any write --------------------------------------------------------------------
 class TamperedReader(FileSystemReader):
     """A checkpoint whose metadata lost the second saved chunk... of one state, by halving it."""
@@ -337,6 +377,36 @@ def test_bad_checkpoints_are_rejected_before_any_write(tmp_path: Path, case: str
     assert hyperparams(run.opt) == before_groups
     assert all(torch.equal(bits(p), w) for p, w in zip(run.params(), weights, strict=True))
     assert "0 of" in planner.progress and "0 partly written" in planner.progress
+
+
+@pytest.mark.usefixtures("quiet")
+def test_a_write_that_would_be_refused_stops_the_load_before_any_state_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An assembled state (FP16 here) is written when its last item has arrived; whether TE's
+    load takes it is checked before the first read, not after other states were written."""
+    run = trained(torch.float16, "remainder")
+    save(run, tmp_path)
+    ours = trained(torch.float16, "remainder", seed=21)
+    before, before_groups = by_position(ours.opt), hyperparams(ours.opt)
+    last = ours.params()[-1]
+    check = te_load.check_value
+
+    def refuse(optimizer: Any, param: Any, index: Any, name: str, value: Any) -> None:
+        if param is last and name == "exp_avg_sq":
+            raise ValueError("injected: TE's load refuses this value")
+        check(optimizer, param, index, name, value)
+
+    monkeypatch.setattr(te_load, "check_value", refuse)
+    state = {"optim": ours.state()}
+    planner = StreamingLoadPlanner(state["optim"])
+    with pytest.raises(CheckpointException, match="injected") as info, no_template(ours.opt):
+        dcp.load(state, checkpoint_id=str(tmp_path), planner=planner)
+    assert "No state was written" in str(info.value)
+    assert_snapshot_equal(by_position(ours.opt), before)
+    assert hyperparams(ours.opt) == before_groups
+    assert "0 of" in planner.progress and "0 partly written" in planner.progress
+    assert planner.peak_assembly_bytes == 0  # refused before any buffer was made
 
 
 # --- failures after writing began ---------------------------------------------------------------

@@ -20,7 +20,6 @@ from .support.backends import CPU
 from .support.distributed import init_group, spawn
 from .support.mesh_checks import (
     LAYOUTS,
-    STRIDED_REMAINDERS_XFAIL,
     WORLD,
     run_mesh_checks,
     strided_remainders_outcome,
@@ -55,7 +54,6 @@ def test_dcp_on_two_dimensional_meshes(checked: Path) -> None:
             assert (checked / layout / ckpt / ".metadata").is_file(), f"{layout}/{ckpt}"
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=STRIDED_REMAINDERS_XFAIL)
 def test_streaming_reshard_of_remainders_in_strided_regions(checked: Path) -> None:
     outcome = strided_remainders_outcome(checked)
     assert outcome == "loaded", outcome

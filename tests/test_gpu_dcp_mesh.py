@@ -18,7 +18,6 @@ import torch
 
 from .support.mesh_checks import (
     LAYOUTS,
-    STRIDED_REMAINDERS_XFAIL,
     WORLD,
     strided_remainders_outcome,
 )
@@ -61,7 +60,6 @@ def test_dcp_with_te_on_two_dimensional_meshes_of_four_gpus(checked: Path) -> No
             assert (checked / layout / ckpt / ".metadata").is_file(), f"{layout}/{ckpt}"
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=STRIDED_REMAINDERS_XFAIL)
 def test_streaming_reshard_of_remainders_in_strided_regions_with_te(checked: Path) -> None:
     outcome = strided_remainders_outcome(checked)
     assert outcome == "loaded", outcome

@@ -510,9 +510,8 @@ def test_module_launch_fails_clearly(tmp_path: Path, recipe: Any, fake: bool, me
 def test_resume_initialize_equals_te_initialize_state(
     moments: torch.dtype, master: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The initial states built in place (BF16/FP32 storage: TE's _initialize_state, FP32
-    # masters copied from the parameters) are TE's initialize_state bit for bit; other storage
-    # goes through TE's initialize_state itself.
+    # The initial states built in place (TE's _initialize_state for every state, FP32 masters
+    # copied from the parameters) are TE's initialize_state bit for bit, FP16 moments included.
     from te_ckpt_placement import export_placement, te_load
     from te_ckpt_placement.integrations import _resume
 
@@ -529,12 +528,11 @@ def test_resume_initialize_equals_te_initialize_state(
         for param in group["params"]:
             reference.initialize_state(param, master == "remainder")
     ours = build()
-    if moments != torch.float16:  # built in place, not by TE's initializer (GPU temporaries)
 
-        def on_gpu(param: Any, remainder: bool) -> None:
-            raise AssertionError("TE's initialize_state used for BF16/FP32 storage")
+    def on_gpu(param: Any, remainder: bool) -> None:  # not TE's initializer (GPU temporaries)
+        raise AssertionError("TE's initialize_state used")
 
-        monkeypatch.setattr(ours, "initialize_state", on_gpu)
+    monkeypatch.setattr(ours, "initialize_state", on_gpu)
     with _resume.initialized([ours]):
         assert not ours.state  # outside a streaming policy: nothing
     with export_placement("cpu"), _resume.initialized([ours]):

@@ -284,6 +284,50 @@ def test_initialize_states_skips_when_grads_exist() -> None:
     assert not opt.state
 
 
+@pytest.mark.parametrize("master", MASTERS)
+@pytest.mark.parametrize("moments", MOMENTS, ids=str)
+def test_initialize_states_is_te_initialize_state_without_its_copy_of_each_param(
+    moments: torch.dtype, master: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TE's initial states bit for bit, made with nothing beside them but what TE's own
+    ``_initialize_state`` of a state needs: TE's ``initialize_state`` first copies each parameter
+    and then widens the copy for its master (6 B per element of a 16-bit parameter, 4 of an FP32
+    one, whatever the moments); here an FP32 master is copied from the parameter in place, and
+    an FP16 master, which TE scales by its absmax, made from one FP32 copy of it."""
+    from te_ckpt_placement.te_load import initialize_states
+
+    from .support.allocations import Allocations
+
+    ref, ours, fp8 = build(moments, master), build(moments, master), build(moments, master)
+    for group in ref.param_groups:
+        for param in group["params"]:
+            ref.initialize_state(param, master == "remainder")
+
+    def te_initializer(param: Any, remainder: bool) -> None:
+        raise AssertionError("TE's initialize_state, with its copy of the parameter, was used")
+
+    if master in ("fp32", "fp16"):  # the masters TE's initializer copies the parameter for
+        monkeypatch.setattr(ours, "initialize_state", te_initializer)
+    with Allocations() as made:
+        assert initialize_states(ours)
+    mapping = pairs(ours, ref)
+    assert_snapshot_equal(snapshot(ours), remap(snapshot(ref), mapping))
+    assert_snapshot_equal(scales(ours), remap(scales(ref), mapping))
+    params = [p for g in ours.param_groups for p in g["params"]]
+    largest = max(params, key=lambda p: p.numel())
+    if moments == torch.uint8:
+        # The stand-in's FP8 quantization has temporaries of its own (TE's: 5 B per element);
+        # nothing else may add to those of the largest FP8 state's initialization.
+        with Allocations() as one:
+            fp8._initialize_state(pairs(fp8, ours)[largest], "exp_avg", True)
+        assert made.peak_temporary == one.peak_temporary
+    elif master == "fp16":
+        # Its FP32 copy of the parameter, and TE's one-element scaling temporaries.
+        assert 0 <= made.peak_temporary - 4 * largest.numel() < 256, made.peak_temporary
+    else:
+        assert made.peak_temporary == 0
+
+
 # --- the pipeline: chunked, any layout, special values ------------------------------------------
 
 LARGE_SHAPES = [(40, 33), (1100,), (3, 20, 9), (1,), ()]

@@ -14,9 +14,11 @@ fill, ``commit_tensor`` says it was filled):
   larger than a slot are copied straight into the live region. Either way an FP32 item for a
   BF16 state is rounded to nearest even on the host with the bits torch's own host-to-device
   ``copy_`` would leave (see :class:`_Slot`), as TE's load does with ``.bfloat16()``;
-- FP16 and FP8 states are scaled by the absmax of the whole local state, so their items are
-  assembled in a host FP32 buffer of the local state, written through TE's ``set_scaled_state``
-  (the one per-state write, :func:`_write_state`) when the last item has arrived, and freed.
+- FP16 and FP8 states are scaled by the absmax of the whole local state, and an elementwise
+  state whose saved pieces are strided regions of it (a reshard along a later dimension) cannot
+  take them in place either: their items are assembled in a host buffer of the local state (FP32;
+  int16 for master remainders, see :mod:`.assembly`), written whole through ``te_load`` (the one
+  per-state write, :func:`_write_state`) when the last item has arrived, and freed.
 
 The template that ``dcp.load`` sees holds, for each state, a :class:`_Target` that describes the
 state's local chunk (what ``DTensor.__create_chunk_list__`` would say) without any data, and the
@@ -77,6 +79,7 @@ from ..te_contract import (
 )
 from ..upload import _vectorized, bf16_copy_is_vectorized
 from . import load_guard
+from .assembly import Assembly
 
 if TYPE_CHECKING:
     from .state import PlacedOptimizerState
@@ -86,7 +89,6 @@ __all__ = ["StreamingLoadPlanner", "StreamingLoadWarning"]
 # TE FusedAdam storage dtypes scaled by the absmax of the whole state (``_apply_scale``, TE
 # 2.20.2 fused_adam.py L268-308); ``torch.uint8`` is FP8. Every other state is elementwise.
 WHOLE_STATE_DTYPES = (torch.float16, torch.uint8)
-FP32_BYTES = 4
 #: What a load that stopped part-way leaves, and what to do (load_guard refuses step()).
 _MIXED = (
     "The optimizer mixes checkpoint and previous values, and its step() refuses to run until a "
@@ -117,10 +119,10 @@ def _note(exc: BaseException, message: str) -> None:
 
 
 def _write_state(optimizer: Any, param: torch.Tensor, name: str, value: torch.Tensor) -> None:
-    """Writes one whole FP32 state into the live one, as TE's ``load_state_dict`` does.
+    """Writes one assembled state (FP32, or int16 remainders) into the live one, as TE's load does.
 
-    The only per-state write of this module (FP16 and FP8 states): ``te_load.load_state``, which
-    validates the value and writes it exactly as TE's load would.
+    The only per-state write of this module (the states of :mod:`.assembly`):
+    ``te_load.load_state``, which validates the value and writes it exactly as TE's load would.
     """
     te_load.load_state(optimizer, param, name, value)
 
@@ -326,7 +328,7 @@ class _Target:
         # Set up by the planner: the key in dcp.load's flattened state dict, how items are read.
         self.dcp_key = key
         self.remaining: int | None = None  # local elements still to arrive (None: not planned)
-        self.buffer: torch.Tensor | None = None  # FP16/FP8: the host FP32 assembly buffer
+        self.buffer: torch.Tensor | None = None  # the host assembly buffer (.assembly)
         self.started = False
 
     def size(self) -> torch.Size:
@@ -490,9 +492,11 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
     ``state_dict()`` (the one ``dcp.load`` calls for its template) returns per-state entries that
     hold no data instead of an FP32 export, and this planner reads each checkpoint item into the
     live state: elementwise states (BF16, FP32, int16 remainders) in place as they arrive, FP16
-    and FP8 states through one host FP32 buffer of the local state each, written with TE's
-    ``set_scaled_state`` once complete. ``dcp.load`` then calls the adapter's
-    ``load_state_dict``, which loads the ``param_groups`` as ``set_optimizer_state_dict`` does.
+    and FP8 states (and elementwise states whose saved pieces are strided regions of the local
+    state, from a reshard along a later dimension) through one host buffer of the local state
+    each (FP32; int16 for master remainders), written as TE's load writes them once complete.
+    ``dcp.load`` then calls the adapter's ``load_state_dict``, which loads the ``param_groups``
+    as ``set_optimizer_state_dict`` does.
     Everything else in the state dict (model weights, other entries) loads as with
     ``DefaultLoadPlanner``. The result equals the template path's (``state_dict()`` under the
     policy, then ``set_optimizer_state_dict``), with no template: see docs/dcp-load.md.
@@ -516,13 +520,13 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
     Args:
         *states: The ``PlacedOptimizerState`` adapters to stream (each must be in the state dict
             given to ``dcp.load``).
-        max_assembly_bytes: Host bytes of FP16/FP8 assembly buffers held at once before the
-            planner warns (:class:`StreamingLoadWarning`); ``None`` (default): one FP32 local
-            state of the largest FP16/FP8 state, which is what a load at the saved sharding
-            needs. Loading on a different world size can need more (the saved pieces of a state
-            sit in different files, and DCP reads file by file): the load then holds what it
-            must, warns once, and completes; the buffers never exceed the FP32 size of the FP16/
-            FP8 states (what their template would take).
+        max_assembly_bytes: Host bytes of assembly buffers held at once before the planner
+            warns (:class:`StreamingLoadWarning`); ``None`` (default): the largest buffer the
+            load needs (one state's), which is what a load at the saved sharding needs. Loading
+            on a different world size can need more (the saved pieces of a state sit in
+            different files, and DCP reads file by file): the load then holds what it must,
+            warns once, and completes; the buffers never exceed the size of the assembled
+            states in FP32 (int16 for remainders), what their template would take.
         allow_partial_load: As ``DefaultLoadPlanner``'s, for entries other than optimizer
             states; a state missing from the checkpoint always raises.
 
@@ -568,16 +572,11 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
             allow_partial_load=allow_partial_load,
         )
         self._states: tuple[PlacedOptimizerState, ...] = states
-        self._max_assembly_bytes = max_assembly_bytes
-        self._budget = 0
+        self._assembly = Assembly(max_assembly_bytes, StreamingLoadWarning)
         self._lock = threading.Lock()
         self._planning = False
         self._loads: list[_OptimizerLoad] = []
         self._targets: dict[str, _Target] = {}
-        self._open_bytes = 0
-        self._warned_budget = False
-        #: Host bytes of FP16/FP8 assembly buffers held at once, at most.
-        self.peak_assembly_bytes = 0
         #: Why an adapter loaded through the template path instead (empty: none did).
         self.fallbacks: list[str] = []
         self._slot_bytes = 0
@@ -723,9 +722,6 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
             )
         if metadata is not None:
             self._validate(metadata)
-        whole = [t.numel for t in self._targets.values() if t.whole]
-        default = FP32_BYTES * max(whole, default=0)
-        self._budget = default if self._max_assembly_bytes is None else self._max_assembly_bytes
 
     def _validate(self, metadata: Metadata) -> None:
         """Every state against the checkpoint's metadata, before any read."""
@@ -797,7 +793,8 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
             ):
                 # A strided region (a shard along a later dimension): torch's copy into it would
                 # stage on the GPU and round with the kernel of the piece's layout, not the
-                # whole state's. The state is assembled on the host and written whole instead.
+                # whole state's. The state is assembled on the host and written whole instead,
+                # from a buffer in its export's dtype (int16 for remainders: .assembly).
                 target.live = None
             if target.live is not None and target.live.device.type in RING_DEVICE_TYPES:
                 nbytes = math.prod(item.lengths) * target.live.element_size()
@@ -814,6 +811,8 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
                 f"cannot load the optimizer checkpoint: {'; '.join(problems[:8])}. No state was "
                 "written."
             )
+        # Every write of an assembled state checked before any read; the default budget.
+        self._assembly.plan(self._targets.values())
         for target in self._targets.values():
             target.remaining = target.numel
 
@@ -837,7 +836,7 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
                     self.stats["direct_items" if slot is None else "ring_items"] += 1
                     return region if slot is None else slot
                 if target.buffer is None:
-                    target.buffer = self._allocate(target.local_shape)
+                    target.buffer = self._assembly.allocate(target)
                 return self.transform_tensor(read_item, target.buffer)
             except BaseException as exc:
                 self._raise_failure(target, exc)
@@ -862,7 +861,7 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
                 left = target.remaining - math.prod(read_item.lengths)
                 if left == 0 and target.buffer is not None:
                     _write_state(target.optimizer, target.param, target.name, target.buffer)
-                    self._release(target.buffer)
+                    self._assembly.release(target)
                     target.buffer = None
                 target.remaining = left  # a failed write above leaves the state "partly written"
             except BaseException as exc:
@@ -907,26 +906,10 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
             optimizer = target.optimizer
             load_guard.arm(optimizer, [ld for ld in self._loads if ld.optimizer is optimizer])
 
-    def _allocate(self, shape: tuple[int, ...]) -> torch.Tensor:
-        nbytes = FP32_BYTES * math.prod(shape)
-        if self._open_bytes + nbytes > self._budget and not self._warned_budget:
-            self._warned_budget = True
-            warnings.warn(
-                f"StreamingLoadPlanner holds {self._open_bytes + nbytes} bytes of FP32 assembly "
-                f"buffers, over max_assembly_bytes={self._budget}: the saved pieces of several "
-                "FP16/FP8 states arrive interleaved (a load on another world size reads file by "
-                "file). The load completes; these buffers are at most the FP32 size of the "
-                "FP16/FP8 states",
-                StreamingLoadWarning,
-                stacklevel=4,
-            )
-        buffer = torch.empty(shape, dtype=torch.float32)
-        self._open_bytes += nbytes
-        self.peak_assembly_bytes = max(self.peak_assembly_bytes, self._open_bytes)
-        return buffer
-
-    def _release(self, buffer: torch.Tensor) -> None:
-        self._open_bytes -= FP32_BYTES * buffer.numel()
+    @property
+    def peak_assembly_bytes(self) -> int:
+        """Host bytes of assembly buffers held at once, at most (0: every state read in place)."""
+        return self._assembly.peak_bytes
 
     # --- state ----------------------------------------------------------------------------
     @property

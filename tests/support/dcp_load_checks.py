@@ -3,7 +3,8 @@
 ``tests/test_dcp_load.py`` runs them with the CPU stand-in on a gloo mesh and uses the loads
 below in process; ``tests/test_gpu_dcp_load.py`` runs them with TE's FusedAdam on a CUDA mesh:
 round trips equal to the template path and to TE's own load, continued training equal to an
-uninterrupted run, resharding 2 -> 1 and 1 -> 2, and a checkpoint written from a full state dict.
+uninterrupted run, resharding 2 -> 1 and 1 -> 2 (also of weights sharded along their columns),
+and a checkpoint written from a full state dict.
 :func:`check_failures` runs the failure paths on 2 ranks: a load refused before any write, a
 reader that fails on one rank part-way, and a load post-hook that raises.
 In every streaming load the optimizer's ``state_dict()`` is made to fail: no template is built.
@@ -12,6 +13,7 @@ In every streaming load the optimizer's ``state_dict()`` is made to fail: no tem
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,9 +30,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
-from te_ckpt_placement import export_placement
+from te_ckpt_placement import export_placement, reports
 from te_ckpt_placement.dcp import StreamingLoadPlanner, StreamingLoadWarning
 
 from .backends import Backend
@@ -292,6 +294,69 @@ def check_failures(backend: Backend, mesh: DeviceMesh, root: Path) -> None:
     assert_same_run(ours, ref, f"{where}: post-hook failed", params=False)
 
 
+def assembled_bytes(run: Run) -> int:
+    """Host bytes of the assembly buffers of every state of a column-sharded :class:`Run` loaded
+    from 2 ranks' pieces: FP16/FP8 states, and the weights' states (their column pieces are
+    strided regions of the local state), int16 for master remainders and FP32 otherwise."""
+    total = 0
+    for p in run.params():
+        for name, dtype in run.opt.name_to_dtype_map.items():
+            if name in run.opt.state.get(p, {}) and (dtype in WHOLE or p.dim() == 2):
+                remainder = run.master == "remainder" and name == "master_param"
+                total += local(p).numel() * (2 if remainder else 4)
+    return total
+
+
+def check_column_sharded_resharding(backend: Backend, mesh: DeviceMesh, root: Path) -> None:
+    """``Shard(1)`` weights saved by 2 ranks (the streaming save), loaded on 1 (a 1-rank group).
+
+    Every saved piece of a weight's state is a strided region of the local state, so the planner
+    assembles those states on the host, in the export's dtype (int16 for master remainders), as
+    it does FP16/FP8 states: the load equals the template path's, and restores the saved bits
+    where they are elementwise. DCP reads the 2 files one after the other, so every assembled
+    state is open at once (over the default budget of one state): the one warning says which
+    states those are.
+    """
+    from te_ckpt_placement.dcp import StreamingWriter
+
+    rank = dist.get_rank()
+    solo = dist.new_group([0])  # collective: every rank creates it
+    modes = ((torch.bfloat16, "remainder"), (torch.bfloat16, "fp32"), (torch.float16, "fp32"))
+    for i, (moments, master) in enumerate(modes):
+        where = f"rank {rank} Shard(1) 2->1 {moments} {master}"
+        two = Run(backend, mesh, moments, master, seed=50 + i, groups=2, columns=True)
+        assert any(p.placements == (Shard(1),) for p in two.params()), where
+        two.train(3, seed=51)
+        path = root / f"columns_{moments}_{master}".replace("torch.", "")
+        state = {"model": get_model_state_dict(two.model), "optim": two.state(save="streaming")}
+        dcp.save(state, storage_writer=StreamingWriter(path))
+        saved_full = two.full()
+        if rank != 0:
+            continue
+        solo_mesh = DeviceMesh.from_group(solo, backend.device)
+        ours, ref = (
+            Run(backend, solo_mesh, moments, master, seed=53, groups=2, columns=True)
+            for _ in range(2)
+        )
+        load_template_path(ref, path, process_group=solo)
+        with warnings.catch_warnings(record=True) as caught, reports.operation("load"):
+            warnings.simplefilter("always", StreamingLoadWarning)
+            planner = load_streaming(ours, path, process_group=solo)
+        report = reports.last_report()
+        assert_same_run(ours, ref, f"{where}: streaming vs template path")
+        if moments not in WHOLE:
+            assert_same_full(ours.full(), saved_full, f"{where}: loaded")
+        assert planner.peak_assembly_bytes == assembled_bytes(ours), where
+        # On the device only the FP32 copy TE scales an FP16/FP8 state from, one at a time: an
+        # assembled BF16/FP32/int16 state goes from its host buffer through the pinned pipeline.
+        assert report is not None and report.gpu_bytes == 4 * whole_state_elements(ours)[0], where
+        said = [str(w.message) for w in caught if issubclass(w.category, StreamingLoadWarning)]
+        assert len(said) == 1 and "arrive interleaved" in said[0], f"{where}: {said}"
+        assert "strided pieces" in said[0] or moments in WHOLE, f"{where}: {said}"
+        if moments not in WHOLE:  # no FP16/FP8 state, so no such buffer either
+            assert "FP16/FP8" not in said[0], f"{where}: {said}"
+
+
 CASES: list[tuple[torch.dtype, str]] = [
     (torch.bfloat16, "remainder"),
     (torch.bfloat16, "fp32"),
@@ -311,3 +376,4 @@ def run_streaming_checks(
         check_round_trip(backend, mesh, moments, master, base / f"round_trip_{moments}_{master}")
     check_resharding(backend, mesh, base / "reshard")
     check_full_state_dict_checkpoint(backend, mesh, base / "full_state_dict")
+    check_column_sharded_resharding(backend, mesh, base / "columns")

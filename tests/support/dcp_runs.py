@@ -26,7 +26,14 @@ from te_ckpt_placement import PlacedOptimizerState, export_placement
 from te_ckpt_placement.engine import is_exported
 
 from .backends import Backend
-from .distributed import by_position, fully_sharded, gather, hyperparams, param_dtype
+from .distributed import (
+    by_position,
+    column_sharded,
+    fully_sharded,
+    gather,
+    hyperparams,
+    param_dtype,
+)
 from .helpers import assert_bit_equal, assert_snapshot_equal, bits, blank, local, tensors
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -49,6 +56,8 @@ class Run:
     """A model (``fully_shard`` on ``mesh``, or plain without one) with its optimizer.
 
     ``groups=2`` puts the second layer's parameters in a group of their own (lr 3e-3).
+    ``columns=True`` builds :func:`.distributed.column_sharded`'s model instead: its weights
+    sharded along their columns (``Shard(1)``).
     """
 
     def __init__(
@@ -60,6 +69,7 @@ class Run:
         seed: int,
         *,
         groups: int = 1,
+        columns: bool = False,
     ) -> None:
         if groups not in (1, 2):
             raise ValueError(f"groups={groups!r}: valid values are 1 and 2")
@@ -67,7 +77,9 @@ class Run:
         self.model: torch.nn.Module
         self.opt: Any  # TE's FusedAdam or its stand-in: _scales, name_to_dtype_map, ...
         dtype = param_dtype(master)
-        if mesh is None:  # one process, no DTensors: what an offline consolidation would use
+        if columns:
+            self.model = column_sharded(mesh, dtype, seed, backend.device)
+        elif mesh is None:  # one process, no DTensors: what an offline consolidation would use
             torch.manual_seed(seed)  # the same weights as fully_sharded's
             model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 4))
             self.model = model.to(device=backend.device, dtype=dtype)

@@ -91,6 +91,26 @@ def fully_sharded(mesh: DeviceMesh, dtype: torch.dtype, seed: int) -> torch.nn.M
     return model
 
 
+def column_sharded(
+    mesh: DeviceMesh | None, dtype: torch.dtype, seed: int, device: str = "cpu"
+) -> torch.nn.Module:
+    """``Linear(4, 6), Linear(6, 4)`` with each weight ``fully_shard``'ed along its columns.
+
+    On 2 ranks the weights (6, 4) and (4, 6) hold 2 and 3 columns each (``Shard(1)``: FSDP2
+    shards a later dimension only evenly), the biases their rows (``Shard(0)``). Without a mesh
+    the same model, plain, on ``device``.
+    """
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 4)).to(dtype)
+    if mesh is None:
+        return model.to(device)
+    fully_shard(model, mesh=mesh, shard_placement_fn=lambda p: Shard(1 if p.dim() == 2 else 0))
+    return model
+
+
 def ordered_params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in opt.param_groups for p in group["params"]]
 

@@ -363,12 +363,6 @@ def check_resharding(backend: Backend, meshes: Meshes, root: Path) -> None:
 
 
 STRIDED_REMAINDERS = "strided_remainders.txt"
-#: Why the strided-remainders sub-case fails today, for the tests' strict xfail.
-STRIDED_REMAINDERS_XFAIL = (
-    "StreamingLoadPlanner assembles a state whose pieces land in strided regions (Shard(1), "
-    "resharded) in an FP32 host buffer, which TE's int16 master remainders refuse (being fixed "
-    "in load_planner.py)"
-)
 
 
 def check_strided_remainders(backend: Backend, meshes: Meshes, root: Path) -> None:
@@ -376,7 +370,7 @@ def check_strided_remainders(backend: Backend, meshes: Meshes, root: Path) -> No
     Shard(1) pieces land in strided regions of the (1, 2) mesh's local states.
 
     Not raised: rank 0 writes ``loaded`` or the failure to ``root / STRIDED_REMAINDERS`` (the
-    test module's strict xfail reads it), so the other checks run either way.
+    test module reads it), so the other checks run either way.
     """
     assert meshes.layout == "moe", "only the MoE block shards along a later dimension"
     where = f"rank {rank()} moe strided remainders"
