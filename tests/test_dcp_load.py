@@ -14,9 +14,11 @@ In every streaming load the optimizer's ``state_dict()`` is made to fail: no tem
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -474,6 +476,27 @@ def interrupting_write(monkeypatch: pytest.MonkeyPatch) -> None:
         original(*args)
 
     monkeypatch.setattr(load_planner, "_write_state", write)
+
+
+@pytest.mark.usefixtures("quiet")
+def test_a_stopped_load_keeps_nothing_of_its_planner_alive(tmp_path: Path) -> None:
+    """The step guard keeps the stopped load's progress alone: the planner, with its assembly
+    buffers and upload rings, goes when the caller drops it, and step() still says how far the
+    load got."""
+    run = trained(torch.float16, "fp32")
+    save(run, tmp_path)
+    ours = trained(torch.float16, "fp32", seed=30)
+    state = {"optim": ours.state()}
+    planner = StreamingLoadPlanner(state["optim"])
+    gone = weakref.ref(planner)
+    with pytest.raises(CheckpointException), no_template(ours.opt):
+        dcp.load(state, planner=planner, storage_reader=StopAfter(tmp_path, 5))
+    del state, planner
+    gc.collect()
+    assert gone() is None, "the optimizer's step guard keeps the stopped planner alive"
+    refused = r"step\(\) refused: .* overwrote \d+ of this optimizer's 12 states"
+    with pytest.raises(RuntimeError, match=refused):
+        ours.train(1, seed=9)
 
 
 @pytest.mark.usefixtures("quiet")

@@ -18,20 +18,42 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["arm", "lift"]
+__all__ = ["Progress", "StoppedLoad", "arm", "lift"]
+
+
+@dataclass(eq=False)
+class Progress:
+    """How far a load got with one state: what the guard reports, shared with the planner."""
+
+    key: str  # the optimizer's flattened key, "state.<fqn>.<name>"
+    started: bool = False
+    remaining: int | None = None  # local elements still to arrive (None: not planned)
+
+
+@dataclass(eq=False)
+class StoppedLoad:
+    """What the guard keeps of one optimizer's part of a load: progress, no tensor, no planner.
+
+    So a stopped load's assembly buffers, pinned rings and checkpoint values go with the planner,
+    while the optimizer's step() still says how far the load got.
+    """
+
+    states: list[Progress] = field(default_factory=list)
+    fresh: bool = False  # the optimizer had no state: the load gave it TE's initial states
 
 
 class _Guard:
     """One optimizer's step pre-hook, and the load post-hook that lifts it.
 
-    The hooks live in the optimizer's own hook dicts, which hold the guard (and, through the
-    stopped loads, the optimizer): nothing outside the optimizer keeps either alive.
+    The hooks live in the optimizer's own hook dicts, which hold the guard: nothing outside the
+    optimizer keeps it alive, and it keeps nothing of the load but its progress.
     """
 
     def __init__(self, optimizer: Any) -> None:
-        self.loads: list[Any] = []  # the stopped loads' parts for this optimizer (newest last)
+        self.loads: list[StoppedLoad] = []  # this optimizer's stopped loads (newest last)
         self.step_hook: Any = None
         # Stays registered: it removes only the step hook (removing itself would change the
         # dict torch iterates over). First, so that the other hooks run on a lifted optimizer.
@@ -50,13 +72,13 @@ class _Guard:
         if not self.loads:  # armed by a load that holds none of this optimizer's states
             return "step() refused: a streaming load of this optimizer stopped part-way"
         latest = self.loads[-1]
-        overwritten = {t.key for load in self.loads for t in load.targets if t.started}
-        complete = sum(1 for t in latest.targets if t.remaining == 0)
+        overwritten = {t.key for load in self.loads for t in load.states if t.started}
+        complete = sum(1 for t in latest.states if t.remaining == 0)
         others = "TE's initial states" if latest.fresh else "their previous values"
         return (
             "step() refused: a streaming load of an optimizer checkpoint (StreamingLoadPlanner) "
             f"stopped part-way after it overwrote {len(overwritten)} of this optimizer's "
-            f"{len(latest.targets)} states with the checkpoint's values ({complete} of them "
+            f"{len(latest.states)} states with the checkpoint's values ({complete} of them "
             f"completely); the other states hold {others} and the param_groups (learning rate, "
             "step count) the previous ones, so this step would train on a mix. Load a complete "
             "checkpoint again (dcp.load with a StreamingLoadPlanner, or any load_state_dict of "
@@ -67,12 +89,11 @@ class _Guard:
 _guards: weakref.WeakKeyDictionary[Any, weakref.ref[_Guard]] = weakref.WeakKeyDictionary()
 
 
-def arm(optimizer: Any, loads: Sequence[Any]) -> None:
+def arm(optimizer: Any, loads: Sequence[StoppedLoad]) -> None:
     """Refuses ``optimizer.step()`` until a load completes.
 
-    ``loads`` are the planner's parts for this optimizer, read when a step is refused: their
-    ``targets`` (each with ``key``, ``started`` and ``remaining``) and ``fresh`` (the optimizer
-    had no state before the load).
+    ``loads``: the progress of the planner's parts for this optimizer, read when a step is
+    refused.
     """
     ref = _guards.get(optimizer)
     guard = ref() if ref is not None else None

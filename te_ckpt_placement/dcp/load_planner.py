@@ -327,9 +327,25 @@ class _Target:
             self.live = stored
         # Set up by the planner: the key in dcp.load's flattened state dict, how items are read.
         self.dcp_key = key
-        self.remaining: int | None = None  # local elements still to arrive (None: not planned)
+        self.progress = load_guard.Progress(key)  # started, remaining: what the step guard says
         self.buffer: torch.Tensor | None = None  # the host assembly buffer (.assembly)
-        self.started = False
+
+    @property
+    def started(self) -> bool:
+        return self.progress.started
+
+    @started.setter
+    def started(self, value: bool) -> None:
+        self.progress.started = value
+
+    @property
+    def remaining(self) -> int | None:
+        """Local elements still to arrive (None: not planned)."""
+        return self.progress.remaining
+
+    @remaining.setter
+    def remaining(self, value: int | None) -> None:
+        self.progress.remaining = value
 
     def size(self) -> torch.Size:
         """The state's global shape, which DCP checks against the checkpoint's."""
@@ -371,6 +387,13 @@ class _OptimizerLoad:
     targets: list[_Target]
     live_states: dict[int, Any]  # id(param) -> the optimizer's state dict entry at planning
     fresh: bool = False  # the optimizer had no state: this load gave it TE's initial states
+    _stopped: load_guard.StoppedLoad | None = None
+
+    def stopped(self) -> load_guard.StoppedLoad:
+        """This part's progress alone, for the step guard (one object per part)."""
+        if self._stopped is None:
+            self._stopped = load_guard.StoppedLoad([t.progress for t in self.targets], self.fresh)
+        return self._stopped
 
 
 class _StreamingTemplate(dict):  # type: ignore[type-arg]
@@ -507,7 +530,8 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
     Before any state is written, every state is checked against the checkpoint's metadata (key,
     global shape, dtype: int16 remainders for ``store_param_remainders=True``, floating point
     otherwise, and that the saved pieces cover the local shard): a mismatch raises ``ValueError``
-    with no state written, and a fresh optimizer loses the initial states made for the load. A
+    with no state written, and a fresh optimizer loses the initial states made for the load (on
+    the rank that refused; docs/dcp-load.md says what other ranks keep). A
     failure after writing began (an I/O error of the reader, an allocation, an interrupt) leaves
     the states partly loaded and the ``param_groups`` as they were: the optimizer's ``step()``
     then raises, saying how many states were overwritten, until a complete load (loading again
@@ -904,7 +928,9 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
             target.owner._unfinished_load = self  # cleared when the load finishes
             # The optimizer's step() refuses to run until a load of every state completes.
             optimizer = target.optimizer
-            load_guard.arm(optimizer, [ld for ld in self._loads if ld.optimizer is optimizer])
+            load_guard.arm(
+                optimizer, [ld.stopped() for ld in self._loads if ld.optimizer is optimizer]
+            )
 
     @property
     def peak_assembly_bytes(self) -> int:

@@ -499,7 +499,8 @@ def _check_full(
     copies = []
 
     def checked(where: tuple[Any, ...], value: Any) -> None:
-        if check is not None and where[0] == "state" and len(where) >= 3:
+        # None: a state TE's load and te_load skip (te_load.plan_load), so not checked either.
+        if check is not None and where[0] == "state" and len(where) >= 3 and value is not None:
             check(where[1], where[2], value)
 
     for key, source in flat_saved.items():
