@@ -19,13 +19,12 @@ import contextvars
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from torch.distributed.tensor import DTensor
 
 __all__ = ["TransferReport", "last_report", "logger"]
 
@@ -88,7 +87,7 @@ class TransferReport:
             same work, computed from the states' shapes, dtypes and devices (TE 2.20.2
             fused_adam.py). Export: TE's ``get_unscaled_state`` makes an FP32 copy of each
             BF16/FP16/FP8 state (4 B per element; FP32 and int16 states are returned as they
-            are), and ``state_dict`` keeps them all. Load: see :func:`te_load_device_bytes`.
+            are), and ``state_dict`` keeps them all. Load: see ``_te_cost.te_load_device_bytes``.
         seconds: Wall time from the call to its return. Work the operation left queued on the
             current CUDA stream (a load's FP16/FP8 scaling) may still be running.
     """
@@ -169,32 +168,16 @@ class _Recorder:
             self.stagers[device] = nbytes
             self.host_peak()
 
-    def exported(self, kind: str, data: torch.Tensor | None, out: torch.Tensor) -> None:
-        """One exported state: its raw storage (None for ``"device"``) and its host result."""
-        out_bytes = out.numel() * out.element_size()
-        temporary = 0
-        if data is None:  # TE's FP32 result, made on the device and copied out
-            raw = out_bytes
-            self.device_temporary(out_bytes)
-        else:
-            raw = data.numel() * data.element_size()
-            if not data.is_contiguous():
-                # engine.materialize: data.to("cpu", copy=True).contiguous(). A dense layout is
-                # kept by the first copy, so the second makes another; a layout with gaps is
-                # made contiguous by the first, through a contiguous temporary on the device.
-                # The load pipeline's rule for a layout without gaps (imported here: the upload
-                # module reports through this one).
-                from .upload import memory_order
-
-                dense = memory_order(data) is not None
-                temporary = raw * (2 if dense else 1)
-                if not dense and data.device.type != "cpu":
-                    self.device_temporary(raw)
+    def exported(
+        self, kind: str, raw_bytes: int, out_bytes: int, host_temp: int, device_temp: int
+    ) -> None:
+        """One exported state: its raw stored bytes, its host result and the temporaries made."""
+        self.device_temporary(device_temp)
         self.states += 1
-        self.d2h += raw
+        self.d2h += raw_bytes
         self.written += out_bytes
         self.held += out_bytes
-        self.host_peak(temporary)
+        self.host_peak(host_temp)
         if kind != "copy":
             self.te_gpu += out_bytes
 
@@ -283,6 +266,14 @@ def staging(device: torch.device, nbytes: int) -> None:
         recorder.staging(device, nbytes)
 
 
+def exported(kind: str, raw_bytes: int, out_bytes: int, *, host: int = 0, device: int = 0) -> None:
+    """The running export produced one state of ``kind``: ``raw_bytes`` read from its storage,
+    ``out_bytes`` written to the host, with ``host`` and ``device`` bytes of temporaries alive."""
+    recorder = _active.get()
+    if recorder is not None:
+        recorder.exported(kind, raw_bytes, out_bytes, host, device)
+
+
 def device_temporary(nbytes: int) -> None:
     """The running operation holds ``nbytes`` of device temporaries at once."""
     recorder = _active.get()
@@ -310,78 +301,3 @@ def te_cost(nbytes: int) -> None:
     recorder = _active.get()
     if recorder is not None and nbytes > recorder.te_gpu:
         recorder.te_gpu = nbytes
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
-def te_state_device_bytes(
-    value: torch.Tensor, device: torch.device, stored: torch.dtype, remainder: bool
-) -> int:
-    """Device bytes TE allocates at once to write one checkpoint value into a state.
-
-    TE 2.20.2 fused_adam.py: ``load_state_dict`` passes ``value.float()`` (L548; the int16
-    remainder as it is, L546), a new FP32 tensor where the value was not FP32, on the value's
-    device. ``set_scaled_state`` (L358-395) copies an FP32 state in place; ``_apply_scale``
-    (L268-308) rounds a BF16 state on the value's device (L280, ``.bfloat16()``, 2 B per
-    element) and moves an FP16/FP8 state's FP32 value to the state's device (L296, 4 B per
-    element) unless it is there, then scales it in place. Only allocations on ``device`` (the
-    parameter's) count; ``_initialize_state``'s are left out, as in :class:`TransferReport`.
-
-    Args:
-        value: The checkpoint's local tensor.
-        device: The parameter's (local) device.
-        stored: TE's ``name_to_dtype_map`` entry of the state (``torch.uint8`` for FP8).
-        remainder: Whether the state is an int16 master remainder.
-    """
-    n = value.numel()
-    here = value.device == device
-    made = 4 * n if here and not remainder and value.dtype != torch.float32 else 0
-    if remainder or stored == torch.float32:
-        return made
-    if stored == torch.bfloat16:
-        return made + (2 * n if here else 0)
-    return made + (0 if here else 4 * n)
-
-
-LoadPlan = Sequence[tuple[torch.Tensor, Sequence[tuple[torch.Tensor, torch.dtype, bool]]]]
-
-
-def te_load_device_bytes(plan: LoadPlan, *, bulk_cast: bool) -> int:
-    """The peak device memory of TE's ``load_state_dict`` temporaries for a checkpoint.
-
-    ``plan`` is ``[(param, [(value, stored dtype, remainder)])]`` in checkpoint order. TE 2.20.2
-    fused_adam.py L515-548 first runs torch's ``Optimizer.load_state_dict``, which casts every
-    state value to the parameter's dtype and device (``value.to(dtype=param.dtype,
-    device=param.device)``; a new tensor of ``numel x param.element_size()`` bytes unless the
-    value has both already) and keeps all the casts until it returns. TE then walks the
-    parameters in checkpoint order: ``self.state[param] = {}`` (L536) frees that parameter's
-    casts, and each state is written through :func:`te_state_device_bytes`, one at a time. With
-    ``C_k`` the casts of parameter ``k`` and ``T_k`` its largest per-state temporaries, the peak
-    is ``max(sum(C), max_k(sum(C_j for j > k) + T_k))``; without ``bulk_cast`` (states written
-    one by one, as ``set_scaled_state`` writes them) it is ``max_k(T_k)``.
-    """
-    casts: list[int] = []
-    temps: list[int] = []
-    for param, states in plan:
-        local_param = _local(param)
-        cast = temp = 0
-        for value, stored, remainder in states:
-            local = _local(value)
-            if param.is_floating_point():
-                same = local.dtype == param.dtype and local.device == local_param.device
-                size = param.element_size()
-            else:
-                same, size = local.device == local_param.device, local.element_size()
-            cast += 0 if same else local.numel() * size
-            temp = max(temp, te_state_device_bytes(local, local_param.device, stored, remainder))
-        casts.append(cast)
-        temps.append(temp)
-    if not bulk_cast:
-        return max(temps, default=0)
-    peak, later = sum(casts), sum(casts)
-    for cast, temp in zip(casts, temps, strict=True):
-        later -= cast
-        peak = max(peak, later + temp)
-    return peak

@@ -22,7 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import te_ckpt_placement
-from te_ckpt_placement import engine, export_placement, last_report, reports, te_load
+from te_ckpt_placement import _te_cost, engine, export_placement, last_report, reports, te_load
 
 from .support.helpers import aliases_live, exported_tensors, live_storages
 from .support.standin import StandInFusedAdam, make_optimizer, train
@@ -319,18 +319,18 @@ def test_te_load_cost_on_a_gpu_follows_te_code() -> None:
     ]
     casts = [2 * 10 + 2 * 10, 4 * 30 + 4 * 30]
     peak = max(sum(casts), casts[1] + 4 * 10, 0 + 4 * 30)
-    assert reports.te_load_device_bytes(plan, bulk_cast=True) == peak == 280
+    assert _te_cost.te_load_device_bytes(plan, bulk_cast=True) == peak == 280
     # A large first FP16 state (one state, no other) makes the per-state copy the peak.
     one = [(bf16, [(host(10), FP16, False)]), (fp32, [])]
-    assert reports.te_load_device_bytes(one, bulk_cast=True) == 4 * 10
+    assert _te_cost.te_load_device_bytes(one, bulk_cast=True) == 4 * 10
     # Values already on the device in the parameter's dtype are not cast; an FP16 state's value
     # there is scaled in place.
     there = [(fp32, [(torch.zeros(30, device="meta"), FP16, False)])]
-    assert reports.te_load_device_bytes(there, bulk_cast=True) == 0
+    assert _te_cost.te_load_device_bytes(there, bulk_cast=True) == 0
     # A remainder is cast like any state (the parameter is floating point) and then copied.
     rem = [(bf16, [(host(10, dtype=torch.int16), torch.float32, True)])]
-    assert reports.te_load_device_bytes(rem, bulk_cast=True) == 2 * 10
-    assert reports.te_load_device_bytes(plan, bulk_cast=False) == 4 * 30
+    assert _te_cost.te_load_device_bytes(rem, bulk_cast=True) == 2 * 10
+    assert _te_cost.te_load_device_bytes(plan, bulk_cast=False) == 4 * 30
 
 
 # --- logging --------------------------------------------------------------------------------------
@@ -380,6 +380,31 @@ def test_package_logger_has_a_null_handler() -> None:
     assert logger is reports.logger
     assert any(isinstance(h, logging.NullHandler) for h in logger.handlers)
     assert te_ckpt_placement.last_report is last_report
+
+
+def package_imports(module: str) -> set[str]:
+    """The package modules ``module`` imports anywhere in its source (functions included)."""
+    import ast
+
+    path = ROOT / "te_ckpt_placement" / f"{module}.py"
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            names = [node.module] if node.module else [a.name for a in node.names]
+            found.update(n.split(".")[0] for n in names)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
+            found.update(n for n in names if n and n.startswith("te_ckpt_placement"))
+    return found
+
+
+def test_reports_and_the_leaf_helpers_import_nothing_of_the_package() -> None:
+    # The engine reports its own temporaries, so reports needs no layout rule of the load's
+    # pipeline: no engine -> reports -> upload -> engine circle, not even through a lazy import.
+    assert package_imports("reports") == set()
+    assert package_imports("_tensors") == set()
+    assert package_imports("_te_cost") == {"_tensors"}
+    assert package_imports("_convert") == {"_tensors", "reports"}
 
 
 # --- threads --------------------------------------------------------------------------------------
