@@ -19,9 +19,9 @@ import contextvars
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -34,6 +34,9 @@ __all__ = ["TransferReport", "last_report", "logger"]
 logger = logging.getLogger("te_ckpt_placement")
 
 Op = Literal["export", "load"]
+#: The code path that streamed: TE's methods (``state_dict``/``load_state_dict``), ``load_states``,
+#: a DCP streaming save, a snapshot, the DCP load planner, or the Megatron integration.
+Path = Literal["state_dict", "load_states", "streaming_save", "snapshot", "planner", "megatron"]
 
 
 def _size(nbytes: int) -> str:
@@ -41,6 +44,19 @@ def _size(nbytes: int) -> str:
         if abs(nbytes) >= scale:
             return f"{nbytes / scale:.2f} {unit}"
     return f"{nbytes} B"
+
+
+class Details(dict[str, float]):
+    """A report's path-specific counts: a read-only dict (JSON, pickle and ``asdict`` as one)."""
+
+    def _read_only(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("a report's details are read-only: copy them with dict(details)")
+
+    __setitem__ = __delitem__ = __ior__ = _read_only  # type: ignore[assignment]
+    clear = pop = popitem = setdefault = update = _read_only  # type: ignore[assignment]
+
+    def __reduce__(self) -> tuple[type[Details], tuple[dict[str, float]]]:
+        return type(self), (dict(self),)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,6 +106,9 @@ class TransferReport:
             are), and ``state_dict`` keeps them all. Load: see ``_te_cost.te_load_device_bytes``.
         seconds: Wall time from the call to its return. Work the operation left queued on the
             current CUDA stream (a load's FP16/FP8 scaling) may still be running.
+        path: The code path that streamed (see :data:`Path`).
+        wait_seconds: Time spent waiting for a staging ring's copies.
+        details: Path-specific counts (read-only), empty for ``state_dict`` and ``load_states``.
     """
 
     op: Op
@@ -103,6 +122,9 @@ class TransferReport:
     gpu_bytes: int
     te_gpu_bytes: int
     seconds: float
+    path: Path = "state_dict"
+    wait_seconds: float = 0.0
+    details: Mapping[str, float] = field(default_factory=Details)
 
     @property
     def gpu_bytes_avoided(self) -> int:
@@ -124,24 +146,31 @@ class TransferReport:
 
 
 class _Recorder:
-    """The running counts of one operation, touched only by the thread that runs it."""
+    """The running counts of one operation: its own thread's, and those of threads it attached
+    (:func:`attach`), under one lock."""
 
     __slots__ = (
         "d2h",
+        "details",
         "gpu",
         "h2d",
         "held",
+        "lock",
         "op",
+        "path",
         "peak_host",
         "stagers",
         "start",
         "states",
         "te_gpu",
+        "wait_s",
         "written",
     )
 
-    def __init__(self, op: Op) -> None:
+    def __init__(self, op: Op, path: Path = "state_dict") -> None:
         self.op = op
+        self.path = path
+        self.lock = threading.RLock()
         self.start = time.perf_counter()
         self.states = 0
         self.d2h = 0
@@ -152,60 +181,92 @@ class _Recorder:
         self.peak_host = 0
         self.gpu = 0
         self.te_gpu = 0
+        self.wait_s = 0.0
+        self.details: dict[str, float] = {}
 
     def host_peak(self, temporary: int = 0) -> None:
         """Notes the host memory held now, with ``temporary`` bytes alive besides."""
-        now = self.held + sum(self.stagers.values()) + temporary
-        if now > self.peak_host:
-            self.peak_host = now
+        with self.lock:
+            now = self.held + sum(self.stagers.values()) + temporary
+            if now > self.peak_host:
+                self.peak_host = now
 
     def device_temporary(self, nbytes: int) -> None:
-        if nbytes > self.gpu:
-            self.gpu = nbytes
+        with self.lock:
+            if nbytes > self.gpu:
+                self.gpu = nbytes
 
     def staging(self, device: torch.device, nbytes: int) -> None:
-        if nbytes > self.stagers.get(device, 0):
-            self.stagers[device] = nbytes
-            self.host_peak()
+        with self.lock:
+            if nbytes > self.stagers.get(device, 0):
+                self.stagers[device] = nbytes
+                self.host_peak()
 
     def exported(
         self, kind: str, raw_bytes: int, out_bytes: int, host_temp: int, device_temp: int
     ) -> None:
         """One exported state: its raw stored bytes, its host result and the temporaries made."""
-        self.device_temporary(device_temp)
-        self.states += 1
-        self.d2h += raw_bytes
-        self.written += out_bytes
-        self.held += out_bytes
-        self.host_peak(host_temp)
-        if kind != "copy":
-            self.te_gpu += out_bytes
+        with self.lock:
+            self.device_temporary(device_temp)
+            self.states += 1
+            self.d2h += raw_bytes
+            self.written += out_bytes
+            self.held += out_bytes
+            self.host_peak(host_temp)
+            if kind != "copy":
+                self.te_gpu += out_bytes
 
     def uploaded(self, nbytes: int, temporary: int) -> None:
-        self.h2d += nbytes
-        self.host_peak(temporary)
+        with self.lock:
+            self.h2d += nbytes
+            self.host_peak(temporary)
 
     def kept(self, nbytes: int) -> None:
         """A rollback copy of a live state, held until the load ends."""
-        self.d2h += nbytes
-        self.written += nbytes
-        self.held += nbytes
-        self.host_peak()
+        with self.lock:
+            self.d2h += nbytes
+            self.written += nbytes
+            self.held += nbytes
+            self.host_peak()
+
+    def state_written(self) -> None:
+        with self.lock:
+            self.states += 1
+
+    def te_cost(self, nbytes: int) -> None:
+        with self.lock:
+            if nbytes > self.te_gpu:
+                self.te_gpu = nbytes
+
+    def waited(self, seconds: float) -> None:
+        """Time spent waiting for a ring's copies."""
+        with self.lock:
+            self.wait_s += seconds
+
+    def detail(self, key: str, value: float, *, peak: bool = False) -> None:
+        """Adds ``value`` to the path-specific count ``key`` (with ``peak``: keeps the larger)."""
+        with self.lock:
+            old = self.details.get(key, 0)
+            self.details[key] = max(old, value) if peak else old + value
 
     def report(self, exc: BaseException | None) -> TransferReport:
-        return TransferReport(
-            op=self.op,
-            failed=exc is not None,
-            error=None if exc is None else type(exc).__name__,
-            states=self.states,
-            device_to_host_bytes=self.d2h,
-            host_to_device_bytes=self.h2d,
-            host_bytes_written=self.written,
-            peak_host_bytes=self.peak_host,
-            gpu_bytes=self.gpu,
-            te_gpu_bytes=self.te_gpu,
-            seconds=time.perf_counter() - self.start,
-        )
+        with self.lock:
+            return TransferReport(
+                op=self.op,
+                failed=exc is not None,
+                error=None if exc is None else type(exc).__name__,
+                states=self.states,
+                device_to_host_bytes=self.d2h,
+                host_to_device_bytes=self.h2d,
+                host_bytes_written=self.written,
+                peak_host_bytes=self.peak_host,
+                gpu_bytes=self.gpu,
+                te_gpu_bytes=self.te_gpu,
+                seconds=time.perf_counter() - self.start,
+                path=self.path,
+                wait_seconds=self.wait_s,
+                details=Details(self.details),
+            )
 
 
 _active: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar(
@@ -235,13 +296,13 @@ def last_report() -> TransferReport | None:
 
 
 @contextmanager
-def operation(op: Op) -> Iterator[None]:
+def operation(op: Op, *, path: Path = "state_dict") -> Iterator[None]:
     """Counts one export or load; usable as a decorator. Within a running operation of the same
     thread or task it counts towards that one instead (one report, one log line)."""
     if _active.get() is not None:
         yield
         return
-    recorder = _Recorder(op)
+    recorder = _Recorder(op, path)
     token = _active.set(recorder)
     try:
         yield
@@ -257,6 +318,18 @@ def _finish(recorder: _Recorder, exc: BaseException | None) -> None:
     report = recorder.report(exc)
     _last.report = report
     logger.info("%s", report, extra={"report": report})
+
+
+@contextmanager
+def attach(recorder: _Recorder | None) -> Iterator[None]:
+    """Counts the work of the calling thread (a writer's producer, a reader) towards
+    ``recorder``, an operation that another thread runs (from its :func:`active`); None: nothing
+    is counted. The operation's report is made by its own thread, when it ends."""
+    token = _active.set(recorder)
+    try:
+        yield
+    finally:
+        _active.reset(token)
 
 
 def staging(device: torch.device, nbytes: int) -> None:
@@ -292,12 +365,12 @@ def state_written() -> None:
     """The running load wrote one more state."""
     recorder = _active.get()
     if recorder is not None:
-        recorder.states += 1
+        recorder.state_written()
 
 
 def te_cost(nbytes: int) -> None:
     """TE's own path would have allocated ``nbytes`` of device memory at its peak (a load's
     parts are written one after another, so the largest counts)."""
     recorder = _active.get()
-    if recorder is not None and nbytes > recorder.te_gpu:
-        recorder.te_gpu = nbytes
+    if recorder is not None:
+        recorder.te_cost(nbytes)

@@ -457,6 +457,47 @@ def test_concurrent_exports_keep_their_own_counts(monkeypatch: pytest.MonkeyPatc
         assert report.host_bytes_written == sum(nbytes(t) for t in exported_tensors(sd))
 
 
+def test_attached_threads_count_towards_one_report() -> None:
+    # A writer's producer threads and a planner's readers count into the operation of the
+    # thread that runs it; the one lock keeps every count.
+    threads, per_thread = 4, 500
+    with reports.operation("export", path="streaming_save"):
+        recorder = reports.active()
+        assert recorder is not None
+
+        def work() -> None:
+            with reports.attach(recorder):
+                for _ in range(per_thread):
+                    reports.kept(3)
+                    reports.state_written()
+                    recorder.waited(0.001)
+                    recorder.detail("produced", 1)
+                    recorder.detail("peak_alive", 2, peak=True)
+            assert reports.active() is None  # attach leaves the thread as it found it
+
+        workers = [threading.Thread(target=work) for _ in range(threads)]
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join()
+    report = last_report()
+    assert report is not None and report.path == "streaming_save" and not report.failed
+    assert report.states == threads * per_thread
+    assert report.device_to_host_bytes == report.host_bytes_written == 3 * threads * per_thread
+    assert report.wait_seconds == pytest.approx(0.001 * threads * per_thread)
+    assert dict(report.details) == {"produced": threads * per_thread, "peak_alive": 2}
+    with pytest.raises(TypeError):
+        report.details["produced"] = 0  # type: ignore[index]
+
+
+def test_a_state_dict_report_has_the_default_path_and_no_details() -> None:
+    with export_placement("cpu"):
+        build(torch.bfloat16, "fp32").state_dict()
+    report = last_report()
+    assert report is not None and report.op == "export"
+    assert (report.path, report.wait_seconds, dict(report.details)) == ("state_dict", 0.0, {})
+
+
 # --- failures -------------------------------------------------------------------------------------
 
 
