@@ -47,21 +47,21 @@ CHUNK_MIB = CHUNK_BYTES // MI
 
 
 def block_label(variant: dict[str, Any]) -> str:
-    from te_ckpt_placement import engine
+    from te_ckpt_placement import _convert
 
     block = variant["block_elements"]
     if block is None:
-        return f"auto({engine._block_elements() >> 20}M)"
+        return f"auto({_convert.block_elements() >> 20}M)"
     return f"{block >> 20}M"
 
 
 def _legacy_e4m3(raw: torch.Tensor, out: torch.Tensor, scratch: Any, *, scale: float) -> None:
     """The previous FP8 path: torch's FP8 widening, a multiply and an isnan mask."""
-    from te_ckpt_placement.engine import _canonicalize_nan
+    from te_ckpt_placement._convert import canonicalize_nan
 
     out.copy_(raw.view(torch.float8_e4m3fn))
     out.mul_(scale)
-    _canonicalize_nan(out)
+    canonicalize_nan(out)
 
 
 def variants(moments: str, chunks: list[int], blocks: list[int | None]) -> list[dict[str, Any]]:
@@ -77,12 +77,12 @@ def variants(moments: str, chunks: list[int], blocks: list[int | None]) -> list[
 
 
 def apply(variant: dict[str, Any], bits_decode: Callable[..., None]) -> None:
-    from te_ckpt_placement import engine, release_buffers
+    from te_ckpt_placement import _convert, engine, release_buffers
 
     release_buffers()  # the next export allocates a pool of the new chunk size
     engine.CHUNK_BYTES = variant["chunk_mib"] * MI
-    engine.BLOCK_ELEMENTS = variant["block_elements"]  # None: the engine's own choice
-    engine._dequantize_e4m3 = bits_decode if variant["fp8_decode"] == "bits" else _legacy_e4m3
+    _convert.BLOCK_ELEMENTS = variant["block_elements"]  # None: the engine's own choice
+    _convert.dequantize_e4m3 = bits_decode if variant["fp8_decode"] == "bits" else _legacy_e4m3
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"This A/B needs a CUDA GPU and Transformer Engine: {missing}.", file=sys.stderr)
         return 2
-    from te_ckpt_placement import engine
+    from te_ckpt_placement import _convert
 
     bw = bandwidths()
     print({k: f"{v / 1e9:.1f} GB/s" for k, v in bw.items()}, flush=True)
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         te_baseline=args.te_baseline,
         chunks=[int(c) for c in args.chunks.split(",")],
         blocks=[None, *(int(b) << 20 for b in args.blocks.split(",") if b)],
-        bits_decode=engine._dequantize_e4m3,
+        bits_decode=_convert.dequantize_e4m3,
         out=args.out,
     )
     for spec in args.cases.split(","):

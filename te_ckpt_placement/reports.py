@@ -19,13 +19,12 @@ import contextvars
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-from torch.distributed.tensor import DTensor
 
 __all__ = ["TransferReport", "last_report", "logger"]
 
@@ -35,6 +34,9 @@ __all__ = ["TransferReport", "last_report", "logger"]
 logger = logging.getLogger("te_ckpt_placement")
 
 Op = Literal["export", "load"]
+#: The code path that streamed: TE's methods (``state_dict``/``load_state_dict``), ``load_states``,
+#: a DCP streaming save, a snapshot, the DCP load planner, or the Megatron integration.
+Path = Literal["state_dict", "load_states", "streaming_save", "snapshot", "planner", "megatron"]
 
 
 def _size(nbytes: int) -> str:
@@ -42,6 +44,19 @@ def _size(nbytes: int) -> str:
         if abs(nbytes) >= scale:
             return f"{nbytes / scale:.2f} {unit}"
     return f"{nbytes} B"
+
+
+class Details(dict[str, float]):
+    """A report's path-specific counts: a read-only dict (JSON, pickle and ``asdict`` as one)."""
+
+    def _read_only(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("a report's details are read-only: copy them with dict(details)")
+
+    __setitem__ = __delitem__ = __ior__ = _read_only  # type: ignore[assignment]
+    clear = pop = popitem = setdefault = update = _read_only  # type: ignore[assignment]
+
+    def __reduce__(self) -> tuple[type[Details], tuple[dict[str, float]]]:
+        return type(self), (dict(self),)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,9 +103,12 @@ class TransferReport:
             same work, computed from the states' shapes, dtypes and devices (TE 2.20.2
             fused_adam.py). Export: TE's ``get_unscaled_state`` makes an FP32 copy of each
             BF16/FP16/FP8 state (4 B per element; FP32 and int16 states are returned as they
-            are), and ``state_dict`` keeps them all. Load: see :func:`te_load_device_bytes`.
+            are), and ``state_dict`` keeps them all. Load: see ``_te_cost.te_load_device_bytes``.
         seconds: Wall time from the call to its return. Work the operation left queued on the
             current CUDA stream (a load's FP16/FP8 scaling) may still be running.
+        path: The code path that streamed (see :data:`Path`).
+        wait_seconds: Time spent waiting for a staging ring's copies.
+        details: Path-specific counts (read-only), empty for ``state_dict`` and ``load_states``.
     """
 
     op: Op
@@ -104,6 +122,9 @@ class TransferReport:
     gpu_bytes: int
     te_gpu_bytes: int
     seconds: float
+    path: Path = "state_dict"
+    wait_seconds: float = 0.0
+    details: Mapping[str, float] = field(default_factory=Details)
 
     @property
     def gpu_bytes_avoided(self) -> int:
@@ -125,24 +146,31 @@ class TransferReport:
 
 
 class _Recorder:
-    """The running counts of one operation, touched only by the thread that runs it."""
+    """The running counts of one operation: its own thread's, and those of threads it attached
+    (:func:`attach`), under one lock."""
 
     __slots__ = (
         "d2h",
+        "details",
         "gpu",
         "h2d",
         "held",
+        "lock",
         "op",
+        "path",
         "peak_host",
         "stagers",
         "start",
         "states",
         "te_gpu",
+        "wait_s",
         "written",
     )
 
-    def __init__(self, op: Op) -> None:
+    def __init__(self, op: Op, path: Path = "state_dict") -> None:
         self.op = op
+        self.path = path
+        self.lock = threading.RLock()
         self.start = time.perf_counter()
         self.states = 0
         self.d2h = 0
@@ -153,76 +181,92 @@ class _Recorder:
         self.peak_host = 0
         self.gpu = 0
         self.te_gpu = 0
+        self.wait_s = 0.0
+        self.details: dict[str, float] = {}
 
     def host_peak(self, temporary: int = 0) -> None:
         """Notes the host memory held now, with ``temporary`` bytes alive besides."""
-        now = self.held + sum(self.stagers.values()) + temporary
-        if now > self.peak_host:
-            self.peak_host = now
+        with self.lock:
+            now = self.held + sum(self.stagers.values()) + temporary
+            if now > self.peak_host:
+                self.peak_host = now
 
     def device_temporary(self, nbytes: int) -> None:
-        if nbytes > self.gpu:
-            self.gpu = nbytes
+        with self.lock:
+            if nbytes > self.gpu:
+                self.gpu = nbytes
 
     def staging(self, device: torch.device, nbytes: int) -> None:
-        if nbytes > self.stagers.get(device, 0):
-            self.stagers[device] = nbytes
-            self.host_peak()
+        with self.lock:
+            if nbytes > self.stagers.get(device, 0):
+                self.stagers[device] = nbytes
+                self.host_peak()
 
-    def exported(self, kind: str, data: torch.Tensor | None, out: torch.Tensor) -> None:
-        """One exported state: its raw storage (None for ``"device"``) and its host result."""
-        out_bytes = out.numel() * out.element_size()
-        temporary = 0
-        if data is None:  # TE's FP32 result, made on the device and copied out
-            raw = out_bytes
-            self.device_temporary(out_bytes)
-        else:
-            raw = data.numel() * data.element_size()
-            if not data.is_contiguous():
-                # engine.materialize: data.to("cpu", copy=True).contiguous(). A dense layout is
-                # kept by the first copy, so the second makes another; a layout with gaps is
-                # made contiguous by the first, through a contiguous temporary on the device.
-                # The load pipeline's rule for a layout without gaps (imported here: the upload
-                # module reports through this one).
-                from .upload import memory_order
-
-                dense = memory_order(data) is not None
-                temporary = raw * (2 if dense else 1)
-                if not dense and data.device.type != "cpu":
-                    self.device_temporary(raw)
-        self.states += 1
-        self.d2h += raw
-        self.written += out_bytes
-        self.held += out_bytes
-        self.host_peak(temporary)
-        if kind != "copy":
-            self.te_gpu += out_bytes
+    def exported(
+        self, kind: str, raw_bytes: int, out_bytes: int, host_temp: int, device_temp: int
+    ) -> None:
+        """One exported state: its raw stored bytes, its host result and the temporaries made."""
+        with self.lock:
+            self.device_temporary(device_temp)
+            self.states += 1
+            self.d2h += raw_bytes
+            self.written += out_bytes
+            self.held += out_bytes
+            self.host_peak(host_temp)
+            if kind != "copy":
+                self.te_gpu += out_bytes
 
     def uploaded(self, nbytes: int, temporary: int) -> None:
-        self.h2d += nbytes
-        self.host_peak(temporary)
+        with self.lock:
+            self.h2d += nbytes
+            self.host_peak(temporary)
 
     def kept(self, nbytes: int) -> None:
         """A rollback copy of a live state, held until the load ends."""
-        self.d2h += nbytes
-        self.written += nbytes
-        self.held += nbytes
-        self.host_peak()
+        with self.lock:
+            self.d2h += nbytes
+            self.written += nbytes
+            self.held += nbytes
+            self.host_peak()
+
+    def state_written(self) -> None:
+        with self.lock:
+            self.states += 1
+
+    def te_cost(self, nbytes: int) -> None:
+        with self.lock:
+            if nbytes > self.te_gpu:
+                self.te_gpu = nbytes
+
+    def waited(self, seconds: float) -> None:
+        """Time spent waiting for a ring's copies."""
+        with self.lock:
+            self.wait_s += seconds
+
+    def detail(self, key: str, value: float, *, peak: bool = False) -> None:
+        """Adds ``value`` to the path-specific count ``key`` (with ``peak``: keeps the larger)."""
+        with self.lock:
+            old = self.details.get(key, 0)
+            self.details[key] = max(old, value) if peak else old + value
 
     def report(self, exc: BaseException | None) -> TransferReport:
-        return TransferReport(
-            op=self.op,
-            failed=exc is not None,
-            error=None if exc is None else type(exc).__name__,
-            states=self.states,
-            device_to_host_bytes=self.d2h,
-            host_to_device_bytes=self.h2d,
-            host_bytes_written=self.written,
-            peak_host_bytes=self.peak_host,
-            gpu_bytes=self.gpu,
-            te_gpu_bytes=self.te_gpu,
-            seconds=time.perf_counter() - self.start,
-        )
+        with self.lock:
+            return TransferReport(
+                op=self.op,
+                failed=exc is not None,
+                error=None if exc is None else type(exc).__name__,
+                states=self.states,
+                device_to_host_bytes=self.d2h,
+                host_to_device_bytes=self.h2d,
+                host_bytes_written=self.written,
+                peak_host_bytes=self.peak_host,
+                gpu_bytes=self.gpu,
+                te_gpu_bytes=self.te_gpu,
+                seconds=time.perf_counter() - self.start,
+                path=self.path,
+                wait_seconds=self.wait_s,
+                details=Details(self.details),
+            )
 
 
 _active: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar(
@@ -252,13 +296,13 @@ def last_report() -> TransferReport | None:
 
 
 @contextmanager
-def operation(op: Op) -> Iterator[None]:
+def operation(op: Op, *, path: Path = "state_dict") -> Iterator[None]:
     """Counts one export or load; usable as a decorator. Within a running operation of the same
     thread or task it counts towards that one instead (one report, one log line)."""
     if _active.get() is not None:
         yield
         return
-    recorder = _Recorder(op)
+    recorder = _Recorder(op, path)
     token = _active.set(recorder)
     try:
         yield
@@ -276,11 +320,31 @@ def _finish(recorder: _Recorder, exc: BaseException | None) -> None:
     logger.info("%s", report, extra={"report": report})
 
 
+@contextmanager
+def attach(recorder: _Recorder | None) -> Iterator[None]:
+    """Counts the work of the calling thread (a writer's producer, a reader) towards
+    ``recorder``, an operation that another thread runs (from its :func:`active`); None: nothing
+    is counted. The operation's report is made by its own thread, when it ends."""
+    token = _active.set(recorder)
+    try:
+        yield
+    finally:
+        _active.reset(token)
+
+
 def staging(device: torch.device, nbytes: int) -> None:
     """The staging lent to the running operation on ``device`` holds ``nbytes`` of host memory."""
     recorder = _active.get()
     if recorder is not None:
         recorder.staging(device, nbytes)
+
+
+def exported(kind: str, raw_bytes: int, out_bytes: int, *, host: int = 0, device: int = 0) -> None:
+    """The running export produced one state of ``kind``: ``raw_bytes`` read from its storage,
+    ``out_bytes`` written to the host, with ``host`` and ``device`` bytes of temporaries alive."""
+    recorder = _active.get()
+    if recorder is not None:
+        recorder.exported(kind, raw_bytes, out_bytes, host, device)
 
 
 def device_temporary(nbytes: int) -> None:
@@ -301,87 +365,12 @@ def state_written() -> None:
     """The running load wrote one more state."""
     recorder = _active.get()
     if recorder is not None:
-        recorder.states += 1
+        recorder.state_written()
 
 
 def te_cost(nbytes: int) -> None:
     """TE's own path would have allocated ``nbytes`` of device memory at its peak (a load's
     parts are written one after another, so the largest counts)."""
     recorder = _active.get()
-    if recorder is not None and nbytes > recorder.te_gpu:
-        recorder.te_gpu = nbytes
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
-def te_state_device_bytes(
-    value: torch.Tensor, device: torch.device, stored: torch.dtype, remainder: bool
-) -> int:
-    """Device bytes TE allocates at once to write one checkpoint value into a state.
-
-    TE 2.20.2 fused_adam.py: ``load_state_dict`` passes ``value.float()`` (L548; the int16
-    remainder as it is, L546), a new FP32 tensor where the value was not FP32, on the value's
-    device. ``set_scaled_state`` (L358-395) copies an FP32 state in place; ``_apply_scale``
-    (L268-308) rounds a BF16 state on the value's device (L280, ``.bfloat16()``, 2 B per
-    element) and moves an FP16/FP8 state's FP32 value to the state's device (L296, 4 B per
-    element) unless it is there, then scales it in place. Only allocations on ``device`` (the
-    parameter's) count; ``_initialize_state``'s are left out, as in :class:`TransferReport`.
-
-    Args:
-        value: The checkpoint's local tensor.
-        device: The parameter's (local) device.
-        stored: TE's ``name_to_dtype_map`` entry of the state (``torch.uint8`` for FP8).
-        remainder: Whether the state is an int16 master remainder.
-    """
-    n = value.numel()
-    here = value.device == device
-    made = 4 * n if here and not remainder and value.dtype != torch.float32 else 0
-    if remainder or stored == torch.float32:
-        return made
-    if stored == torch.bfloat16:
-        return made + (2 * n if here else 0)
-    return made + (0 if here else 4 * n)
-
-
-LoadPlan = Sequence[tuple[torch.Tensor, Sequence[tuple[torch.Tensor, torch.dtype, bool]]]]
-
-
-def te_load_device_bytes(plan: LoadPlan, *, bulk_cast: bool) -> int:
-    """The peak device memory of TE's ``load_state_dict`` temporaries for a checkpoint.
-
-    ``plan`` is ``[(param, [(value, stored dtype, remainder)])]`` in checkpoint order. TE 2.20.2
-    fused_adam.py L515-548 first runs torch's ``Optimizer.load_state_dict``, which casts every
-    state value to the parameter's dtype and device (``value.to(dtype=param.dtype,
-    device=param.device)``; a new tensor of ``numel x param.element_size()`` bytes unless the
-    value has both already) and keeps all the casts until it returns. TE then walks the
-    parameters in checkpoint order: ``self.state[param] = {}`` (L536) frees that parameter's
-    casts, and each state is written through :func:`te_state_device_bytes`, one at a time. With
-    ``C_k`` the casts of parameter ``k`` and ``T_k`` its largest per-state temporaries, the peak
-    is ``max(sum(C), max_k(sum(C_j for j > k) + T_k))``; without ``bulk_cast`` (states written
-    one by one, as ``set_scaled_state`` writes them) it is ``max_k(T_k)``.
-    """
-    casts: list[int] = []
-    temps: list[int] = []
-    for param, states in plan:
-        local_param = _local(param)
-        cast = temp = 0
-        for value, stored, remainder in states:
-            local = _local(value)
-            if param.is_floating_point():
-                same = local.dtype == param.dtype and local.device == local_param.device
-                size = param.element_size()
-            else:
-                same, size = local.device == local_param.device, local.element_size()
-            cast += 0 if same else local.numel() * size
-            temp = max(temp, te_state_device_bytes(local, local_param.device, stored, remainder))
-        casts.append(cast)
-        temps.append(temp)
-    if not bulk_cast:
-        return max(temps, default=0)
-    peak, later = sum(casts), sum(casts)
-    for cast, temp in zip(casts, temps, strict=True):
-        later -= cast
-        peak = max(peak, later + temp)
-    return peak
+    if recorder is not None:
+        recorder.te_cost(nbytes)

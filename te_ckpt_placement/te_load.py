@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import engine, reports, upload
+from . import _te_cost, engine, reports, upload
 from .te_contract import (
     STATE_NAMES,
     check_contract,
@@ -454,7 +454,7 @@ def _write_one(
     value = job.local
     device = local_of(param).device
     if not _plain(value):  # a tensor subclass: TE's own conversion, as TE's load runs it
-        reports.device_temporary(reports.te_state_device_bytes(value, device, kind, remainder))
+        reports.device_temporary(_te_cost.te_state_device_bytes(value, device, kind, remainder))
         optimizer.set_scaled_state(param, name, value if remainder else value.float())
         return
     if remainder or kind in (torch.float32, torch.bfloat16):
@@ -744,7 +744,7 @@ def _count_te_cost(
             )
             for _, param, entries in plan
         ]
-        reports.te_cost(reports.te_load_device_bytes(parts, bulk_cast=bulk_cast))
+        reports.te_cost(_te_cost.te_load_device_bytes(parts, bulk_cast=bulk_cast))
 
 
 # How many loads each optimizer has completed (streaming or TE's own, through the hooks), so that

@@ -240,9 +240,9 @@ def test_fp8_e4m3_bit_decode_equals_tes_formula_for_every_byte(
     monkeypatch: pytest.MonkeyPatch, block: int
 ) -> None:
     """The vectorized decode against TE's CPU formula (widen, * scale_inv) with CUDA's NaN."""
-    from te_ckpt_placement import engine
+    from te_ckpt_placement import _convert
 
-    monkeypatch.setattr(engine, "BLOCK_ELEMENTS", block)
+    monkeypatch.setattr(_convert, "BLOCK_ELEMENTS", block)
     every = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(3)  # NaNs in every block
     for value in FP8_SCALES:
         scale = torch.tensor([value])
@@ -250,7 +250,7 @@ def test_fp8_e4m3_bit_decode_equals_tes_formula_for_every_byte(
             StateSource(kind="fp8", data=every, scale=scale, fp8_dtype=torch.float8_e4m3fn)
         )
         expected = every.view(torch.float8_e4m3fn).float() * scale
-        expected.view(torch.int32)[expected.isnan()] = engine.CANONICAL_NAN_BITS
+        expected.view(torch.int32)[expected.isnan()] = _convert.CANONICAL_NAN_BITS
         assert torch.equal(bits(ours), bits(expected)), f"scale {value}"
 
 
@@ -269,7 +269,7 @@ def test_chunked_pipeline_every_boundary(monkeypatch: pytest.MonkeyPatch, chunk_
 
 
 def test_pool_is_reused_and_survives_a_failing_conversion(monkeypatch: pytest.MonkeyPatch) -> None:
-    from te_ckpt_placement import engine
+    from te_ckpt_placement import _convert, engine
 
     opt = make_optimizer(model_params(torch.float32), moments=torch.bfloat16)
     train(opt)
@@ -282,7 +282,7 @@ def test_pool_is_reused_and_survives_a_failing_conversion(monkeypatch: pytest.Mo
     assert engine.pinned_pool_bytes() == held, "steady-state exports allocated staging memory"
 
     calls = 0
-    real = engine._convert_fn
+    real = _convert.convert_fn
 
     def failing(source: StateSource):  # type: ignore[no-untyped-def]
         dtype, convert = real(source)
@@ -296,11 +296,11 @@ def test_pool_is_reused_and_survives_a_failing_conversion(monkeypatch: pytest.Mo
 
         return dtype, boom
 
-    monkeypatch.setattr(engine, "_convert_fn", failing)
+    monkeypatch.setattr(_convert, "convert_fn", failing)
     before = snapshot(opt)
     with export_placement("cpu"), pytest.raises(MemoryError):
         opt.state_dict()
-    monkeypatch.setattr(engine, "_convert_fn", real)
+    monkeypatch.setattr(_convert, "convert_fn", real)
     assert_snapshot_equal(before, snapshot(opt))
     assert engine.pinned_pool_bytes() == held, "the failed export leaked a stager"
     with export_placement("cpu"):

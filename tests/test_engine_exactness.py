@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from te_ckpt_placement import engine, export_placement
+from te_ckpt_placement import _convert, export_placement
 from te_ckpt_placement.engine import StateSource, materialize
 
 from .support import denormals
@@ -211,7 +211,7 @@ def test_bf16_fp32_int16_states_are_copied_bits(flush_mode: str) -> None:
 
 def test_scale_is_read_from_its_bits(flush_mode: str) -> None:
     for scale in SCALES:
-        value = engine.fp32_value(denormals.scale_tensor(scale))
+        value = _convert.fp32_value(denormals.scale_tensor(scale))
         if decode(scale, 8, 23) == "nan":
             assert math.isnan(value)
         else:

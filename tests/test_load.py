@@ -428,7 +428,7 @@ def test_bf16_rounding_under_flush_denormal_equals_te(small_chunks: None, layout
 @pytest.mark.parametrize("limit", [7, 64, 1 << 20])
 def test_chunked_bf16_conversion_equals_whole_conversion(layout: str, limit: int) -> None:
     """Every chunk's bits equal ``src.float().bfloat16()`` of the whole tensor (TE's op)."""
-    from te_ckpt_placement import upload
+    from te_ckpt_placement import _convert, _tensors
 
     gen = torch.Generator().manual_seed(3)
     for shape in [(37, 29), (300,), (5, 1, 41), (1, 333), (2, 3, 4, 25)]:
@@ -436,29 +436,29 @@ def test_chunked_bf16_conversion_equals_whole_conversion(layout: str, limit: int
         src = restride(values, layout)
         expected = src.float().bfloat16().contiguous()
         dst = torch.empty(shape, dtype=torch.bfloat16)
-        order = upload.memory_order(dst)
+        order = _tensors.memory_order(dst)
         assert order is not None
-        whole = upload.bf16_copy_is_vectorized(src)
+        whole = _convert.bf16_copy_is_vectorized(src)
         flat, permuted = dst.permute(order).reshape(-1), src.permute(order)
-        for start, count, index in upload.row_blocks(tuple(dst.permute(order).shape), limit):
+        for start, count, index in _tensors.row_blocks(tuple(dst.permute(order).shape), limit):
             out = torch.empty(count, dtype=torch.bfloat16)
             block = permuted[index]
-            upload._to_bf16(out.view(block.shape), block, whole)
+            _convert.to_bf16(out.view(block.shape), block, whole)
             flat[start : start + count] = out
         assert torch.equal(bits(dst), bits(expected)), (layout, shape, limit)
 
 
 def test_the_two_bf16_kernels_differ_only_in_nans() -> None:
     """Why the NaN rewrite exists: torch's two host kernels round alike, NaNs apart."""
-    from te_ckpt_placement import upload
+    from te_ckpt_placement import _convert
 
     patterns = torch.arange(-(1 << 31), 1 << 31, 1 << 15, dtype=torch.int64)
     patterns = torch.cat([patterns + low for low in (0, 0x7FFF, 0x8000, 0x8001, 0xFFFF)])
     values = (patterns & 0xFFFFFFFF).to(torch.int64)
     values = torch.where(values >= 1 << 31, values - (1 << 32), values).to(torch.int32)
     floats = values.view(torch.float32)
-    vector = upload._bf16_by_kernel(floats, True).view(torch.int16)
-    scalar = upload._bf16_by_kernel(floats, False).view(torch.int16)
+    vector = _convert.bf16_by_kernel(floats, True).view(torch.int16)
+    scalar = _convert.bf16_by_kernel(floats, False).view(torch.int16)
     nan = floats.isnan()
     assert torch.equal(vector[~nan], scalar[~nan])
     # c10's round_to_nearest_even, by hand: (bits + 0x7FFF + lsb) >> 16.
@@ -470,7 +470,7 @@ def test_the_two_bf16_kernels_differ_only_in_nans() -> None:
 
 
 def test_may_overlap_is_false_only_for_strides_that_cannot_overlap() -> None:
-    from te_ckpt_placement.upload import may_overlap
+    from te_ckpt_placement._tensors import may_overlap
 
     t = torch.arange(7 * 5 * 3, dtype=torch.float32).reshape(7, 5, 3)
     for layout in LAYOUTS:
@@ -483,12 +483,12 @@ def test_may_overlap_is_false_only_for_strides_that_cannot_overlap() -> None:
 
 
 def test_row_blocks_cover_every_element_once_without_slivers() -> None:
-    from te_ckpt_placement import upload
+    from te_ckpt_placement import _tensors
 
     for shape, limit in [((10, 7), 20), ((3, 100), 30), ((1000,), 300), ((2, 2, 9), 4), ((), 5)]:
         seen = torch.zeros(max(1, math.prod(shape)), dtype=torch.int64)
         ref = torch.arange(seen.numel()).view(shape)
-        blocks = list(upload.row_blocks(shape, limit))
+        blocks = list(_tensors.row_blocks(shape, limit))
         for start, count, index in blocks:
             block = ref[index].reshape(-1)
             assert block.numel() == count <= limit

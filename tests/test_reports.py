@@ -22,7 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import te_ckpt_placement
-from te_ckpt_placement import engine, export_placement, last_report, reports, te_load
+from te_ckpt_placement import _te_cost, engine, export_placement, last_report, reports, te_load
 
 from .support.helpers import aliases_live, exported_tensors, live_storages
 from .support.standin import StandInFusedAdam, make_optimizer, train
@@ -319,18 +319,18 @@ def test_te_load_cost_on_a_gpu_follows_te_code() -> None:
     ]
     casts = [2 * 10 + 2 * 10, 4 * 30 + 4 * 30]
     peak = max(sum(casts), casts[1] + 4 * 10, 0 + 4 * 30)
-    assert reports.te_load_device_bytes(plan, bulk_cast=True) == peak == 280
+    assert _te_cost.te_load_device_bytes(plan, bulk_cast=True) == peak == 280
     # A large first FP16 state (one state, no other) makes the per-state copy the peak.
     one = [(bf16, [(host(10), FP16, False)]), (fp32, [])]
-    assert reports.te_load_device_bytes(one, bulk_cast=True) == 4 * 10
+    assert _te_cost.te_load_device_bytes(one, bulk_cast=True) == 4 * 10
     # Values already on the device in the parameter's dtype are not cast; an FP16 state's value
     # there is scaled in place.
     there = [(fp32, [(torch.zeros(30, device="meta"), FP16, False)])]
-    assert reports.te_load_device_bytes(there, bulk_cast=True) == 0
+    assert _te_cost.te_load_device_bytes(there, bulk_cast=True) == 0
     # A remainder is cast like any state (the parameter is floating point) and then copied.
     rem = [(bf16, [(host(10, dtype=torch.int16), torch.float32, True)])]
-    assert reports.te_load_device_bytes(rem, bulk_cast=True) == 2 * 10
-    assert reports.te_load_device_bytes(plan, bulk_cast=False) == 4 * 30
+    assert _te_cost.te_load_device_bytes(rem, bulk_cast=True) == 2 * 10
+    assert _te_cost.te_load_device_bytes(plan, bulk_cast=False) == 4 * 30
 
 
 # --- logging --------------------------------------------------------------------------------------
@@ -382,6 +382,31 @@ def test_package_logger_has_a_null_handler() -> None:
     assert te_ckpt_placement.last_report is last_report
 
 
+def package_imports(module: str) -> set[str]:
+    """The package modules ``module`` imports anywhere in its source (functions included)."""
+    import ast
+
+    path = ROOT / "te_ckpt_placement" / f"{module}.py"
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            names = [node.module] if node.module else [a.name for a in node.names]
+            found.update(n.split(".")[0] for n in names)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
+            found.update(n for n in names if n and n.startswith("te_ckpt_placement"))
+    return found
+
+
+def test_reports_and_the_leaf_helpers_import_nothing_of_the_package() -> None:
+    # The engine reports its own temporaries, so reports needs no layout rule of the load's
+    # pipeline: no engine -> reports -> upload -> engine circle, not even through a lazy import.
+    assert package_imports("reports") == set()
+    assert package_imports("_tensors") == set()
+    assert package_imports("_te_cost") == {"_tensors"}
+    assert package_imports("_convert") == {"_tensors", "reports"}
+
+
 # --- threads --------------------------------------------------------------------------------------
 
 
@@ -430,6 +455,47 @@ def test_concurrent_exports_keep_their_own_counts(monkeypatch: pytest.MonkeyPatc
         assert report.states == len(states)
         assert report.device_to_host_bytes == sum(nbytes(stored(v)) for *_, v in states)
         assert report.host_bytes_written == sum(nbytes(t) for t in exported_tensors(sd))
+
+
+def test_attached_threads_count_towards_one_report() -> None:
+    # A writer's producer threads and a planner's readers count into the operation of the
+    # thread that runs it; the one lock keeps every count.
+    threads, per_thread = 4, 500
+    with reports.operation("export", path="streaming_save"):
+        recorder = reports.active()
+        assert recorder is not None
+
+        def work() -> None:
+            with reports.attach(recorder):
+                for _ in range(per_thread):
+                    reports.kept(3)
+                    reports.state_written()
+                    recorder.waited(0.001)
+                    recorder.detail("produced", 1)
+                    recorder.detail("peak_alive", 2, peak=True)
+            assert reports.active() is None  # attach leaves the thread as it found it
+
+        workers = [threading.Thread(target=work) for _ in range(threads)]
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join()
+    report = last_report()
+    assert report is not None and report.path == "streaming_save" and not report.failed
+    assert report.states == threads * per_thread
+    assert report.device_to_host_bytes == report.host_bytes_written == 3 * threads * per_thread
+    assert report.wait_seconds == pytest.approx(0.001 * threads * per_thread)
+    assert dict(report.details) == {"produced": threads * per_thread, "peak_alive": 2}
+    with pytest.raises(TypeError):
+        report.details["produced"] = 0  # type: ignore[index]
+
+
+def test_a_state_dict_report_has_the_default_path_and_no_details() -> None:
+    with export_placement("cpu"):
+        build(torch.bfloat16, "fp32").state_dict()
+    report = last_report()
+    assert report is not None and report.op == "export"
+    assert (report.path, report.wait_seconds, dict(report.details)) == ("state_dict", 0.0, {})
 
 
 # --- failures -------------------------------------------------------------------------------------

@@ -37,7 +37,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-from .. import engine
+from .. import _tensors, engine
+from .._tree import iter_tree, map_tree
 from ..policy import Placement, as_placement, export_placement
 from ..te_contract import check_contract, describe_state, has_contract, local_of
 
@@ -301,29 +302,18 @@ class LazyState(torch.Tensor):
 
 def is_lazy(value: object) -> bool:
     """True for a :class:`LazyState` or a DTensor whose local tensor is one."""
-    if isinstance(value, DTensor):
-        value = value._local_tensor
-    return isinstance(value, LazyState)
+    return isinstance(_tensors.local(value), LazyState)
 
 
 def lazy_of(value: object) -> LazyState | None:
     """The :class:`LazyState` of a value (a DTensor's local tensor), or None."""
-    if isinstance(value, DTensor):
-        value = value._local_tensor
+    value = _tensors.local(value)
     return value if isinstance(value, LazyState) else None
 
 
 def iter_lazy(tree: Any) -> Iterator[LazyState]:
     """Every placeholder in a nested state dict."""
-    lazy = lazy_of(tree)
-    if lazy is not None:
-        yield lazy
-    elif isinstance(tree, dict):
-        for value in tree.values():
-            yield from iter_lazy(value)
-    elif isinstance(tree, (list, tuple)):
-        for value in tree:
-            yield from iter_lazy(value)
+    return iter_tree(tree, lazy_of)
 
 
 def production_stats(state_dict: Any) -> ProductionStats | None:
@@ -343,7 +333,7 @@ def rewrap(local: torch.Tensor, like: Any) -> torch.Tensor:
         return local
     meta = like._spec.tensor_meta
     if meta is not None and meta.dtype != local.dtype:
-        return engine.to_cpu_dtensor(local, like)
+        return _tensors.to_cpu_dtensor(local, like)
     return DTensor(local, like._spec, requires_grad=False)  # type: ignore[call-arg]
 
 
@@ -353,24 +343,12 @@ def resolve_loaded(state_dict: Any) -> Any:
     Containers on the way are rebuilt, never mutated; a dict without placeholders comes back
     as it is.
     """
-    lazy = lazy_of(state_dict)
-    if lazy is not None:
-        return rewrap(lazy.loaded(), state_dict)
-    if isinstance(state_dict, dict):
-        values = {key: resolve_loaded(value) for key, value in state_dict.items()}
-        if all(values[key] is state_dict[key] for key in state_dict):
-            return state_dict
-        out = type(state_dict)() if type(state_dict) is not dict else {}
-        out.update(values)
-        return out
-    if isinstance(state_dict, (list, tuple)):
-        items = [resolve_loaded(value) for value in state_dict]
-        if all(a is b for a, b in zip(items, state_dict, strict=True)):
-            return state_dict
-        if hasattr(state_dict, "_fields"):
-            return type(state_dict)(*items)
-        return type(state_dict)(items)
-    return state_dict
+    return map_tree(state_dict, _loaded)
+
+
+def _loaded(value: Any, path: tuple[Any, ...]) -> Any:
+    lazy = lazy_of(value)
+    return value if lazy is None else rewrap(lazy.loaded(), value)
 
 
 # --- building the lazy state dict ---------------------------------------------------------------

@@ -68,6 +68,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from .. import te_load
+from .._convert import Slot as _Slot
 from ..te_contract import (
     STATE_NAMES,
     ContractError,
@@ -77,7 +78,6 @@ from ..te_contract import (
     raw_storage,
     stored_dtype,
 )
-from ..upload import _vectorized, bf16_copy_is_vectorized
 from . import load_guard
 from .assembly import Assembly
 
@@ -125,44 +125,6 @@ def _write_state(optimizer: Any, param: torch.Tensor, name: str, value: torch.Te
     ``te_load.load_state``, which validates the value and writes it exactly as TE's load would.
     """
     te_load.load_state(optimizer, param, name, value)
-
-
-class _Slot(torch.Tensor):
-    """A ring slot handed to the reader: its ``copy_`` leaves the bits of a copy to the device.
-
-    torch's host-to-device ``copy_`` of a tensor of another dtype converts on the host first,
-    ``src.to(dst.dtype)`` (aten/src/ATen/native/cuda/Copy.cu, ``copy_kernel_cuda``), and the CPU
-    FP32-to-BF16 conversion has two kernels that differ in the bits of NaNs (see
-    :mod:`..upload`). ``.to`` keeps a dense source's layout (the vectorized kernel); a copy into
-    this contiguous slot takes the kernel of the source's innermost dimension. Where the two
-    differ (a dense source not laid out row-major), or for another pair of dtypes, the slot is
-    filled from ``src.to(dtype)`` as torch's copy does; otherwise the copy converts straight
-    into the slot.
-    """
-
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func is torch.Tensor.copy_ and len(args) in (2, 3) and set(kwargs) <= {"non_blocking"}:
-            # dst.copy_(src) and dst.copy_(src, non_blocking): into host memory a copy is
-            # complete when it returns either way.
-            dst, src = args[:2]
-            with torch._C.DisableTorchFunctionSubclass():
-                if isinstance(src, torch.Tensor) and not _converts_alike(dst, src):
-                    src = src.to(dst.dtype)
-                dst.copy_(src)
-            return dst
-        return super().__torch_function__(func, types, args, kwargs)
-
-
-def _converts_alike(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    """Whether ``dst.copy_(src)`` on the host leaves the bits of ``src.to(dst.dtype)``."""
-    if src.dtype == dst.dtype:
-        return True  # a plain copy
-    if src.dtype != torch.float32 or dst.dtype != torch.bfloat16 or src.numel() < 2:
-        return False  # other conversions: through .to, as torch's copy does
-    ours = _vectorized(tuple(dst.stride()), tuple(src.shape), tuple(src.stride()))
-    return ours == bf16_copy_is_vectorized(src)
 
 
 class _CpuEvent:

@@ -1,0 +1,94 @@
+"""The torch-only leaf helpers: the one tree walker and the one version lookup."""
+
+from __future__ import annotations
+
+import collections
+import sys
+import types
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+
+from te_ckpt_placement._tree import iter_tree, map_tree
+from te_ckpt_placement._versions import installed
+from te_ckpt_placement.integrations import megatron
+from te_ckpt_placement.te_contract import te_version
+
+
+class Pair(NamedTuple):
+    first: Any
+    second: Any
+
+
+def tree() -> dict[str, Any]:
+    return {
+        "untouched": {"a": torch.zeros(1), "b": [1, 2]},
+        "ordered": collections.OrderedDict(x=torch.ones(2), y="keep"),
+        "pair": Pair(torch.ones(3), "s"),
+        "items": [torch.ones(4), (5, torch.ones(5))],
+    }
+
+
+def double_ones(value: Any, path: tuple[Any, ...]) -> Any:
+    return value * 2 if isinstance(value, torch.Tensor) and bool((value == 1).all()) else value
+
+
+def test_map_tree_changed_rebuilds_only_the_paths_to_replaced_leaves() -> None:
+    original = tree()
+    out = map_tree(original, double_ones)
+    assert out is not original and out["untouched"] is original["untouched"]
+    assert type(out["ordered"]) is collections.OrderedDict and out["ordered"]["y"] == "keep"
+    assert torch.equal(out["ordered"]["x"], torch.full((2,), 2.0))
+    assert type(out["pair"]) is Pair and out["pair"].second == "s"
+    assert torch.equal(out["items"][1][1], torch.full((5,), 2.0))
+    assert torch.equal(original["items"][0], torch.ones(4)), "the original was mutated"
+    unchanged = {"a": [torch.zeros(1)], "b": (3,)}
+    assert map_tree(unchanged, double_ones) is unchanged
+
+
+def test_map_tree_always_copies_every_container_with_paths() -> None:
+    seen: list[tuple[Any, ...]] = []
+
+    def note(value: Any, path: tuple[Any, ...]) -> Any:
+        seen.append(path)
+        return value
+
+    factory = collections.defaultdict(list, {"k": [1]})
+    original = {"d": factory, "t": Pair(1, [2])}
+    out = map_tree(original, note, rebuild="always")
+    assert out is not original and out["d"] is not factory
+    assert out["t"].second == [2] and out["t"].second is not original["t"].second
+    assert isinstance(out["d"], collections.defaultdict) and out["d"].default_factory is list
+    assert type(out["t"]) is Pair
+    assert seen == [("d", "k", 0), ("t", 0), ("t", 1, 0)]
+
+
+def test_iter_tree_yields_picks_in_order_and_stops_below_them() -> None:
+    marker = types.SimpleNamespace(inner={"hidden": 1})
+    found = list(
+        iter_tree([{"a": 1, "b": marker}, (2, marker)], lambda v: v if v is marker else None)
+    )
+    assert found == [marker, marker]
+
+
+def test_installed_is_each_old_lookup() -> None:
+    assert installed("transformer_engine", "transformer-engine", module="transformer_engine") == (
+        te_version()
+    )
+    assert (
+        installed("megatron-core", module="megatron.core.package_info", default="not installed")
+        == megatron.megatron_version()
+    )
+    assert installed("pytest") == pytest.__version__
+    assert installed("no-such-distribution-here") == "unknown"
+
+
+def test_installed_falls_back_to_an_imported_modules_version(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    module = types.ModuleType("te_ckpt_fake_checkout")
+    module.__version__ = "9.9.9"  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "te_ckpt_fake_checkout", module)
+    assert installed("no-such-distribution-here", module="te_ckpt_fake_checkout") == "9.9.9"
+    assert installed("no-such-distribution-here", module="absent", default="none") == "none"
