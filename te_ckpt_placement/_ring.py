@@ -344,7 +344,11 @@ class Uploader:
 
     Use as a context manager; leaving it waits for every copy (also on an error path) and makes
     the current stream wait for them. Small writes share a staging slot, so many small states
-    cost one slot turn, not one each.
+    cost one slot turn, not one each. A slot is refilled only after its previous copy completed,
+    the copy stream waits for the current stream before it writes a destination (whose
+    allocation or last use is queued there), and :meth:`fence` makes the current stream wait for
+    the copies before it reads them. The copy stream allocates nothing, and the ring is
+    synchronized before it is returned, so no device tensor is freed while a copy still writes it.
     """
 
     def __init__(self, device: torch.device) -> None:

@@ -301,3 +301,44 @@ def test_keyboard_interrupt_anywhere_loses_no_stager(clean: None, cold: bool) ->
     assert _ring.in_use() == 0 and pinned_pool_bytes() == ring
     release_buffers()
     assert pinned_pool_bytes() == 0
+
+
+# --- issue 22: one ring and one pool, one size query, one release ----------------------------
+
+
+def test_a_pooled_ring_is_lent_once_and_reused(clean: None) -> None:
+    cpu = torch.device("cpu")
+    with _ring.lend(cpu, slot_bytes=64, slots=2) as ring:
+        assert _ring.in_use() == 1 and ring.nbytes == 128
+        with _ring.lend(cpu, slot_bytes=64, slots=2) as other:
+            assert other is not ring, "a lent ring was lent twice"
+        assert pinned_pool_bytes() == 256
+    with _ring.lend(cpu, slot_bytes=64, slots=2) as again:
+        assert again in (ring, other), "an idle ring was not reused"
+    assert _ring.in_use() == 0 and pinned_pool_bytes() == 256
+    release_buffers()
+    assert pinned_pool_bytes() == 0
+
+
+def test_an_unkept_ring_counts_while_lent_and_goes_on_return(clean: None) -> None:
+    """The planner's ring (``keep=False``): in the size query while its load runs, then freed."""
+    lender = _ring.SlotLender(torch.device("cpu"), slot_bytes=64, slots=2)
+    assert pinned_pool_bytes() == 128 and lender.nbytes == 128
+    slot = lender.take()
+    assert slot is not None
+    lender.upload(slot, torch.empty(16), lender.view(slot, (16,), torch.float32))
+    lender.close()
+    assert lender.nbytes == 0 and pinned_pool_bytes() == 0
+    assert _ring.in_use() == 0
+
+
+def test_release_buffers_frees_the_snapshot_pools_too(clean: None) -> None:
+    """One pool class: ``release_buffers()`` lets go of a ``SnapshotStager``'s kept buffers."""
+    from te_ckpt_placement.dcp import SnapshotStager
+
+    stager = SnapshotStager(pin_memory=False)
+    stager.stage({"w": torch.ones(1000)})
+    assert stager.buffer_bytes == 4000
+    assert _pool.held_bytes() >= 4000 and _pool.held_bytes(pinned=True) == 0
+    release_buffers()
+    assert stager.buffer_bytes == 0 and _pool.held_bytes() == 0
