@@ -607,10 +607,10 @@ def host_read_rate(nbytes: int = 2 * G, repeats: int = 3) -> float:
 def bf16_convert_rate(nbytes: int = 2 * G, repeats: int = 3, *, pinned: bool = True) -> float:
     """FP32 bytes per second the host rounds to BF16 into one staging chunk (the load's host
     work alone, for telling which side bounds a load; not part of T*_load)."""
-    from te_ckpt_placement import engine
+    from te_ckpt_placement import _ring
 
     src = torch.ones(nbytes // 4)
-    step = engine.CHUNK_BYTES // 2
+    step = _ring.CHUNK_BYTES // 2
     out = torch.empty(step, dtype=torch.bfloat16, pin_memory=pinned)
     times = []
     for _ in range(repeats):
@@ -639,7 +639,7 @@ def cpu_bandwidths(nbytes: int = 256 * MI, repeats: int = 3) -> dict[str, float]
 
 def bandwidths(nbytes: int = 2 * G, repeats: int = 3) -> dict[str, float]:
     """B_d2h and B_h2d (pinned), B_fresh and B_warm (host writes) and B_host_read (a sum)."""
-    from te_ckpt_placement.engine import empty_host
+    from te_ckpt_placement._pool import empty_host
 
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -662,13 +662,13 @@ def bandwidths(nbytes: int = 2 * G, repeats: int = 3) -> dict[str, float]:
         empty_host(src.shape, torch.float32).copy_(src)
 
     fresh_rate = best(fresh)
-    from te_ckpt_placement import engine
+    from te_ckpt_placement import _pool
 
-    advice, engine.HUGEPAGES = engine.HUGEPAGES, not engine.HUGEPAGES
+    advice, _pool.HUGEPAGES = _pool.HUGEPAGES, not _pool.HUGEPAGES
     try:
         other_rate = best(fresh)  # the same writes with the other page-size advice
     finally:
-        engine.HUGEPAGES = advice
+        _pool.HUGEPAGES = advice
     warm_out = torch.empty_like(src)
     warm_out.copy_(src)
     warm_rate = best(lambda: warm_out.copy_(src))

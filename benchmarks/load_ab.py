@@ -1,7 +1,7 @@
 """A/B of the streaming load's staging chunk and host thread count against T*_load.
 
 The load pipeline (``te_ckpt_placement.upload``) converts each chunk of the checkpoint on the
-host into a pinned staging buffer of ``engine.CHUNK_BYTES`` while the previous chunk is copied to
+host into a pinned staging buffer of ``_ring.CHUNK_BYTES`` while the previous chunk is copied to
 the GPU. This times ``load_state_dict`` under ``export_placement("cpu")`` of one host checkpoint
 with each staging chunk size and torch thread count, in interleaved rounds, and checks every
 load bit for bit against TE's own load of the same checkpoint. T*_load = max(R / B_h2d,
@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sizes", default="0.5,1", help="N in G local elements, comma-separated")
     parser.add_argument("--chunks", default="16,64", help="staging chunk sizes in MiB")
     parser.add_argument("--threads", default="0,16", help="torch threads (0: torch's default)")
-    parser.add_argument("--rings", default="3", help="staging buffers in the ring (engine.RING)")
+    parser.add_argument("--rings", default="3", help="staging buffers in the ring (_ring.RING)")
     parser.add_argument("--moments", choices=tuple(em.MOMENTS), default="bf16")
     parser.add_argument("--master", choices=em.MASTERS, default="remainder")
     parser.add_argument("--rounds", type=int, default=3)
@@ -70,30 +70,30 @@ def variants(args: argparse.Namespace) -> list[tuple[int, int, int]]:
 
 
 def set_ring(depth: int) -> None:
-    """Sets engine.RING; stagers are built with RING buffers, so the idle ones are dropped."""
-    from te_ckpt_placement import engine
+    """Sets _ring.RING; stagers are built with RING buffers, so the idle ones are dropped."""
+    from te_ckpt_placement import _ring
 
-    if depth != engine.RING:
-        engine.clear_pinned_pool()
-        engine.RING = depth
+    if depth != _ring.RING:
+        _ring.release_idle()
+        _ring.RING = depth
 
 
 @contextmanager
 def stager_method(name: str, wrap: Callable[[Any], Any]) -> Iterator[None]:
-    """Inside the block, ``engine._Stager.<name>`` is ``wrap(<the original method>)``."""
-    from te_ckpt_placement import engine
+    """Inside the block, ``_ring.Ring.<name>`` is ``wrap(<the original method>)``."""
+    from te_ckpt_placement import _ring
 
-    real = getattr(engine._Stager, name)
-    setattr(engine._Stager, name, wrap(real))
+    real = getattr(_ring.Ring, name)
+    setattr(_ring.Ring, name, wrap(real))
     try:
         yield
     finally:
-        setattr(engine._Stager, name, real)
+        setattr(_ring.Ring, name, real)
 
 
 class WaitClock:
     """Adds the time the host spends waiting for staging buffers to ``seconds``, where
-    :meth:`timing` wraps ``engine._Stager.wait`` (a buffer's previous copy to the device)."""
+    :meth:`timing` wraps ``_ring.Ring.wait`` (a buffer's previous copy to the device)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
@@ -111,7 +111,7 @@ def measure_size(
     n: int, args: argparse.Namespace, bw: dict[str, float], cuda: bool
 ) -> list[dict[str, Any]]:
     """Every variant's loads of one host checkpoint of N = ``n``, checked against TE's load."""
-    from te_ckpt_placement import engine, export_placement
+    from te_ckpt_placement import _ring, export_placement
 
     m = min(64 * em.MI, n // 8)
     _, opt = em.build(n, m, em.MOMENTS[args.moments], master=args.master, device=args.device)
@@ -125,15 +125,15 @@ def measure_size(
     reference = em.live_snapshot(opt)
     default_threads, default_chunk, default_ring = (
         torch.get_num_threads(),
-        engine.CHUNK_BYTES,
-        engine.RING,
+        _ring.CHUNK_BYTES,
+        _ring.RING,
     )
     records = []
     waited = WaitClock()
     try:
         for round_ in range(args.rounds):
             for chunk_mib, threads, ring in variants(args):
-                engine.CHUNK_BYTES = chunk_mib * em.MI
+                _ring.CHUNK_BYTES = chunk_mib * em.MI
                 set_ring(ring)
                 torch.set_num_threads(threads or default_threads)
                 waited.seconds = 0.0
@@ -172,7 +172,7 @@ def measure_size(
                     flush=True,
                 )
     finally:
-        engine.CHUNK_BYTES = default_chunk
+        _ring.CHUNK_BYTES = default_chunk
         set_ring(default_ring)
         torch.set_num_threads(default_threads)
     return records
@@ -191,7 +191,7 @@ def copy_sizes(opt: Any, checkpoint: dict[str, Any]) -> list[int]:
 
         return copy_async
 
-    with stager_method("copy_async", counting), export_placement("cpu"):
+    with stager_method("copy", counting), export_placement("cpu"):
         opt.load_state_dict(checkpoint)
     return sizes
 
@@ -207,7 +207,7 @@ def measure_phases(n: int, args: argparse.Namespace, bw: dict[str, float]) -> li
     two can share the host; near their sum, that they contend for it. The pipeline is then
     checked bit for bit against TE's load.
     """
-    from te_ckpt_placement import engine, export_placement
+    from te_ckpt_placement import _ring, export_placement
 
     m = min(64 * em.MI, n // 8)
     _, opt = em.build(n, m, em.MOMENTS[args.moments], master=args.master)
@@ -219,22 +219,22 @@ def measure_phases(n: int, args: argparse.Namespace, bw: dict[str, float]) -> li
         opt.load_state_dict(checkpoint)
     reference = em.live_snapshot(opt)
     sizes = copy_sizes(opt, checkpoint)
-    chunk = engine.CHUNK_BYTES
-    pinned = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(engine.RING)]
+    chunk = _ring.CHUNK_BYTES
+    pinned = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(_ring.RING)]
     target = torch.empty(chunk, dtype=torch.uint8, device="cuda")
     stream = torch.cuda.Stream()
 
     def replay() -> None:
         with torch.cuda.stream(stream):
             for i, nbytes in enumerate(sizes):
-                target[:nbytes].copy_(pinned[i % engine.RING][:nbytes], non_blocking=True)
+                target[:nbytes].copy_(pinned[i % _ring.RING][:nbytes], non_blocking=True)
 
     def load() -> None:
         with export_placement("cpu"):
             opt.load_state_dict(checkpoint)
 
     def convert_only() -> None:
-        with stager_method("copy_async", lambda real: lambda *a: None):
+        with stager_method("copy", lambda real: lambda *a: None):
             load()
 
     def both() -> None:
@@ -249,7 +249,7 @@ def measure_phases(n: int, args: argparse.Namespace, bw: dict[str, float]) -> li
         return copy_async
 
     def serial() -> None:
-        with stager_method("copy_async", waiting_after):
+        with stager_method("copy", waiting_after):
             load()
 
     def clock(fn: Any) -> float:

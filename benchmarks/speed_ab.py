@@ -41,7 +41,7 @@ from benchmarks.export_memory import (
     timed,
     verify,
 )
-from te_ckpt_placement.engine import CHUNK_BYTES
+from te_ckpt_placement._ring import CHUNK_BYTES
 
 CHUNK_MIB = CHUNK_BYTES // MI
 
@@ -77,10 +77,10 @@ def variants(moments: str, chunks: list[int], blocks: list[int | None]) -> list[
 
 
 def apply(variant: dict[str, Any], bits_decode: Callable[..., None]) -> None:
-    from te_ckpt_placement import _convert, engine, release_buffers
+    from te_ckpt_placement import _convert, _ring, release_buffers
 
     release_buffers()  # the next export allocates a pool of the new chunk size
-    engine.CHUNK_BYTES = variant["chunk_mib"] * MI
+    _ring.CHUNK_BYTES = variant["chunk_mib"] * MI
     _convert.BLOCK_ELEMENTS = variant["block_elements"]  # None: the engine's own choice
     _convert.dequantize_e4m3 = bits_decode if variant["fp8_decode"] == "bits" else _legacy_e4m3
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from .engine import pinned_pool_bytes
+from . import _pool
 from .policy import Placement, current_placement, export_placement
 from .reports import TransferReport, last_report
 from .te_contract import ContractError
@@ -50,14 +50,16 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 
 def release_buffers() -> None:
-    """Frees the idle host buffers of ``reuse_buffers`` exports and the pinned staging pool.
+    """Frees the kept host buffers (``reuse_buffers`` exports, snapshots) and idle staging rings.
 
     Buffers still referenced by a state dict stay alive with it.
     """
-    from . import engine
+    _pool.release_all()
 
-    engine.buffers.clear()
-    engine.clear_pinned_pool()
+
+def pinned_pool_bytes() -> int:
+    """Pinned host bytes held: the staging rings and the snapshots' pinned buffers."""
+    return _pool.held_bytes(pinned=True)
 
 
 def __dir__() -> list[str]:

@@ -84,7 +84,7 @@ class TransferReport:
         peak_host_bytes: The most host memory the operation held at once in tensors it
             allocated or borrowed (not an RSS sample): output tensors (also those reused with
             ``reuse_buffers``), the staging lent to it (per device, the ring of pinned buffers,
-            ``engine.RING`` x ``engine.CHUNK_BYTES``; for an export also the stager's host
+            ``_ring.RING`` x ``_ring.CHUNK_BYTES``; for an export also the ring's host
             scratch, which exists once an E4M3 state was exported and is as large as the
             largest conversion block it served, 2 B per element), rollback copies, a strided
             state's contiguous host copy, and the FP32 block a load widens a non-FP32

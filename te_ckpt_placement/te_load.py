@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import _te_cost, engine, reports, upload
+from . import _ring, _te_cost, engine, reports, upload
 from .te_contract import (
     STATE_NAMES,
     check_contract,
@@ -418,11 +418,11 @@ def _raw_write(optimizer: Any, job: _Job) -> bool:
 def _uploaders() -> Iterator[Any]:
     """Uploaders by device, entered on first use; leaving waits for every copy."""
     with ExitStack() as stack:
-        open_: dict[torch.device, upload.Uploader] = {}
+        open_: dict[torch.device, _ring.Uploader] = {}
 
-        def get(device: torch.device) -> upload.Uploader:
+        def get(device: torch.device) -> _ring.Uploader:
             if device not in open_:
-                open_[device] = stack.enter_context(upload.Uploader(device))
+                open_[device] = stack.enter_context(_ring.Uploader(device))
             return open_[device]
 
         yield get

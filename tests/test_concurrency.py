@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from te_ckpt_placement import current_placement, engine, export_placement
+from te_ckpt_placement import _ring, current_placement, export_placement
 
 from .support.helpers import aliases_live, assert_same_export, exported_tensors, live_storages
 from .support.standin import StandInFusedAdam, make_optimizer, train
@@ -70,7 +70,7 @@ def test_eight_threads_interleaving_exports() -> None:
     for t in threads:
         t.join()
     assert not errors, errors[0]
-    assert engine.staging_in_use() == 0
+    assert _ring.in_use() == 0
 
 
 def test_hundred_asyncio_tasks_with_their_own_policies() -> None:
@@ -89,4 +89,4 @@ def test_hundred_asyncio_tasks_with_their_own_policies() -> None:
         await asyncio.gather(*(task(i) for i in range(100)))
 
     asyncio.run(main())
-    assert engine.staging_in_use() == 0
+    assert _ring.in_use() == 0

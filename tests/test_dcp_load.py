@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
-from te_ckpt_placement import export_placement, reports, te_load
+from te_ckpt_placement import _ring, export_placement, reports, te_load
 from te_ckpt_placement.dcp import (
     PlacedOptimizerState,
     StreamingLoadPlanner,
@@ -723,6 +723,16 @@ def sources() -> dict[str, torch.Tensor]:
     }
 
 
+def cpu_ring(slot_bytes: int) -> _ring.SlotLender:
+    """The planner's ring for a host device, as ``StreamingLoadPlanner`` makes it."""
+    return _ring.SlotLender(
+        torch.device("cpu"),
+        slot_bytes=slot_bytes,
+        slots=load_planner.UPLOAD_SLOTS,
+        view_as=load_planner._Slot,
+    )
+
+
 @pytest.mark.parametrize("name", list(sources()))
 def test_a_slot_holds_the_bits_of_torchs_copy_to_the_device(name: str) -> None:
     src = sources()[name]
@@ -730,7 +740,7 @@ def test_a_slot_holds_the_bits_of_torchs_copy_to_the_device(name: str) -> None:
     # torch's host-to-device copy (aten/src/ATen/native/cuda/Copy.cu): src.to(dst.dtype) on the
     # host, made contiguous, then a plain copy of those bytes.
     expected = src.to(dtype).contiguous()
-    ring = load_planner._UploadRing(torch.device("cpu"), 4096)
+    ring = cpu_ring(4096)
     slot = ring.take()
     assert slot is not None
     target = ring.view(slot, tuple(src.shape), dtype).detach()  # as FileSystemReader does
@@ -745,7 +755,7 @@ def test_a_slot_holds_the_bits_of_torchs_copy_to_the_device(name: str) -> None:
 def test_a_slot_keeps_the_bits_when_the_reader_copies_non_blocking(how: str) -> None:
     src = sources()["transposed"]
     expected = src.to(torch.bfloat16).contiguous()
-    ring = load_planner._UploadRing(torch.device("cpu"), 4096)
+    ring = cpu_ring(4096)
     slot = ring.take()
     assert slot is not None
     target = ring.view(slot, tuple(src.shape), torch.bfloat16).detach()
@@ -765,7 +775,7 @@ def test_a_plain_copy_into_a_contiguous_buffer_would_differ_in_nan_bits() -> Non
 
 
 def test_a_slot_is_reused_only_after_its_upload_completed() -> None:
-    ring = load_planner._UploadRing(torch.device("cpu"), 64)
+    ring = cpu_ring(64)
     assert ring.nbytes == load_planner.UPLOAD_SLOTS * 64
     taken = []
     for _ in range(5):
@@ -783,7 +793,7 @@ def test_a_slot_is_reused_only_after_its_upload_completed() -> None:
     assert sorted(lent) == list(range(load_planner.UPLOAD_SLOTS))  # type: ignore[type-var]
     assert ring.take() is None
     ring.close()
-    assert ring.buffers == [] and not any(ring.queued) and not any(ring.lent)
+    assert ring.nbytes == 0 and not any(ring.queued) and not any(ring.lent)
 
 
 @pytest.fixture
@@ -791,13 +801,13 @@ def ring_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """Routes CPU live states through the upload ring; returns the rings made, to inspect."""
     monkeypatch.setattr(load_planner, "RING_DEVICE_TYPES", ("cuda", "cpu"))
     made: list[Any] = []
-    original = load_planner._UploadRing.__init__
+    original = _ring.SlotLender.__init__
 
-    def init(self: Any, *args: Any) -> None:
-        original(self, *args)
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
         made.append(self)
 
-    monkeypatch.setattr(load_planner._UploadRing, "__init__", init)
+    monkeypatch.setattr(_ring.SlotLender, "__init__", init)
     return made
 
 
@@ -822,7 +832,7 @@ def test_the_ring_path_loads_what_the_template_path_loads(
     stats = planner.stats
     assert stats["ring_items"] > 0 and stats["direct_items"] > 0
     assert 0 < stats["ring_host_bytes"] <= cap
-    assert [ring.buffers for ring in ring_on_cpu] == [[]]  # closed at the load's end
+    assert [ring.nbytes for ring in ring_on_cpu] == [0]  # closed at the load's end
     assert planner._rings == {} and planner._pending == {}
 
 
@@ -834,7 +844,7 @@ def test_a_failed_upload_waits_for_the_others_and_lets_the_ring_go(
     save(run, tmp_path)
     ours = trained(torch.bfloat16, "fp32", seed=30)
     calls = []
-    original = load_planner._UploadRing.upload
+    original = _ring.SlotLender.upload
 
     def failing(self: Any, slot: int, dst: torch.Tensor, src: torch.Tensor) -> None:
         calls.append(slot)
@@ -842,13 +852,13 @@ def test_a_failed_upload_waits_for_the_others_and_lets_the_ring_go(
             raise RuntimeError("CUDA error: an illegal memory access")
         original(self, slot, dst, src)
 
-    monkeypatch.setattr(load_planner._UploadRing, "upload", failing)
+    monkeypatch.setattr(_ring.SlotLender, "upload", failing)
     state = {"optim": ours.state()}
     planner = StreamingLoadPlanner(state["optim"])
     with pytest.raises(CheckpointException, match="illegal memory access"), no_template(ours.opt):
         dcp.load(state, checkpoint_id=str(tmp_path), planner=planner)
     (ring,) = ring_on_cpu
-    assert ring.buffers == [] and not any(ring.queued) and not any(ring.lent)
+    assert ring.nbytes == 0 and not any(ring.queued) and not any(ring.lent)
     assert planner._rings == {} and planner._pending == {}
     assert "3 of" in planner.progress
 
@@ -886,13 +896,13 @@ def test_a_reader_failure_between_resolve_and_commit_frees_the_ring_at_the_next_
     assert state["optim"]._unfinished_load is failed  # for the adapter's warning
     (stale,) = ring_on_cpu
     planner = StreamingLoadPlanner(state["optim"])
-    assert stale.buffers == [] and failed._rings == {} and failed._pending == {}
+    assert stale.nbytes == 0 and failed._rings == {} and failed._pending == {}
     again = {"model": get_model_state_dict(ours.model), "optim": state["optim"]}
     with no_template(ours.opt):
         dcp.load(again, checkpoint_id=str(tmp_path), planner=planner)
     set_model_state_dict(ours.model, again["model"])
     assert_same_run(ours, run, "the load after the failed one vs saved")
-    assert [ring.buffers for ring in ring_on_cpu] == [[], []]
+    assert [ring.nbytes for ring in ring_on_cpu] == [0, 0]
 
 
 @pytest.mark.usefixtures("quiet")
@@ -917,7 +927,7 @@ def test_after_a_failure_no_item_is_uploaded_or_counted(
             a = planner.resolve_tensor(first).detach()
             b = planner.resolve_tensor(second).detach()
             seen["slots"] = [type(a), type(b)]
-            monkeypatch.setattr(load_planner._UploadRing, "upload", failing)
+            monkeypatch.setattr(_ring.SlotLender, "upload", failing)
             with pytest.raises(RuntimeError, match="device lost"):
                 planner.commit_tensor(second, b)
             target = planner._targets[first.dest_index.fqn]
@@ -938,5 +948,5 @@ def test_after_a_failure_no_item_is_uploaded_or_counted(
     ):
         dcp.load(state, storage_reader=TwoAtOnce(str(tmp_path)), planner=planner)
     assert seen == {"slots": [load_planner._Slot] * 2, "counted": False, "rings": {}}
-    assert [ring.buffers for ring in ring_on_cpu] == [[]]
+    assert [ring.nbytes for ring in ring_on_cpu] == [0]
     assert "0 of" in planner.progress

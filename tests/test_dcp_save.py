@@ -585,20 +585,20 @@ def test_dcp_save_on_two_ranks(tmp_path: Path) -> None:
 
 
 def test_snapshot_buffers_are_not_reused_while_their_storage_is_held() -> None:
-    # As the export's BufferCache: a storage object held outside the pool keeps its buffer.
-    from te_ckpt_placement.dcp.host_buffers import HostBuffers
+    # As the exports' pool: a storage object held outside the pool keeps its buffer.
+    from te_ckpt_placement._pool import HostPool
 
-    pool = HostBuffers()
-    first = pool.take("k", torch.Size([4]), torch.float32, pinned=False)
+    pool = HostPool(keep_busy=False)  # as SnapshotStager's
+    first = pool.take(torch.Size([4]), torch.float32, key="k", pinned=False)
     first.fill_(1.0)
     held = first.untyped_storage()
     del first
     pool.end_round()
-    second = pool.take("k", torch.Size([4]), torch.float32, pinned=False)
+    second = pool.take(torch.Size([4]), torch.float32, key="k", pinned=False)
     second.fill_(2.0)
     assert torch.empty(0).set_(held, 0, (4,)).tolist() == [1.0] * 4
     del second, held
     pool.end_round()
-    ptr = pool.take("k", torch.Size([4]), torch.float32, pinned=False).data_ptr()
+    ptr = pool.take(torch.Size([4]), torch.float32, key="k", pinned=False).data_ptr()
     pool.end_round()
-    assert pool.take("k", torch.Size([4]), torch.float32, pinned=False).data_ptr() == ptr
+    assert pool.take(torch.Size([4]), torch.float32, key="k", pinned=False).data_ptr() == ptr

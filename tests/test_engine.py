@@ -8,7 +8,16 @@ import math
 import pytest
 import torch
 
-from te_ckpt_placement import Placement, engine, export_placement, te_contract, te_hooks
+from te_ckpt_placement import (
+    Placement,
+    _pool,
+    _ring,
+    engine,
+    export_placement,
+    pinned_pool_bytes,
+    te_contract,
+    te_hooks,
+)
 from te_ckpt_placement.engine import StateSource, materialize
 
 from .support.helpers import (
@@ -257,9 +266,7 @@ def test_fp8_e4m3_bit_decode_equals_tes_formula_for_every_byte(
 @pytest.mark.parametrize("chunk_bytes", [4, 36, 1000])
 def test_chunked_pipeline_every_boundary(monkeypatch: pytest.MonkeyPatch, chunk_bytes: int) -> None:
     # Chunks smaller than one state, across ring wrap-around, with ragged last chunks.
-    from te_ckpt_placement import engine
-
-    monkeypatch.setattr(engine, "CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(_ring, "CHUNK_BYTES", chunk_bytes)
     for moments in MOMENTS:
         opt = make_optimizer(model_params(torch.float32, empty=False), moments=moments)
         train(opt)
@@ -269,17 +276,17 @@ def test_chunked_pipeline_every_boundary(monkeypatch: pytest.MonkeyPatch, chunk_
 
 
 def test_pool_is_reused_and_survives_a_failing_conversion(monkeypatch: pytest.MonkeyPatch) -> None:
-    from te_ckpt_placement import _convert, engine
+    from te_ckpt_placement import _convert
 
     opt = make_optimizer(model_params(torch.float32), moments=torch.bfloat16)
     train(opt)
     with export_placement("cpu"):
         opt.state_dict()
-    held = engine.pinned_pool_bytes()
+    held = pinned_pool_bytes()
     for _ in range(3):
         with export_placement("cpu"):
             opt.state_dict()
-    assert engine.pinned_pool_bytes() == held, "steady-state exports allocated staging memory"
+    assert pinned_pool_bytes() == held, "steady-state exports allocated staging memory"
 
     calls = 0
     real = _convert.convert_fn
@@ -302,13 +309,13 @@ def test_pool_is_reused_and_survives_a_failing_conversion(monkeypatch: pytest.Mo
         opt.state_dict()
     monkeypatch.setattr(_convert, "convert_fn", real)
     assert_snapshot_equal(before, snapshot(opt))
-    assert engine.pinned_pool_bytes() == held, "the failed export leaked a stager"
+    assert pinned_pool_bytes() == held, "the failed export leaked a stager"
     with export_placement("cpu"):
         assert_same_export(opt.state_dict(), reference(opt))
 
 
 def test_reused_buffers_only_once_released() -> None:
-    from te_ckpt_placement import engine, release_buffers
+    from te_ckpt_placement import release_buffers
 
     release_buffers()
     opt = make_optimizer(model_params(torch.float32), moments=torch.bfloat16)
@@ -344,10 +351,10 @@ def test_reused_buffers_only_once_released() -> None:
     assert_same_export(fourth, ref)
     for t in exported_tensors(fourth):
         assert_owns_storage(t)
-    assert engine.buffers.nbytes > 0
+    assert _pool.EXPORTS.nbytes > 0
     del view, third, fourth
     release_buffers()
-    assert engine.buffers.nbytes == 0
+    assert _pool.EXPORTS.nbytes == 0
 
 
 def test_reuse_buffers_must_be_bool() -> None:

@@ -12,7 +12,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from te_ckpt_placement import engine, export_placement, release_buffers
+from te_ckpt_placement import (
+    _pool,
+    _ring,
+    engine,
+    export_placement,
+    pinned_pool_bytes,
+    release_buffers,
+)
 
 from .support.helpers import assert_same_export, exported_tensors
 from .support.standin import StandInFusedAdam, make_optimizer, train
@@ -184,12 +191,12 @@ def test_cache_is_trimmed_to_what_the_last_export_needed(clean: None) -> None:
     held = [export(opt) for _ in range(6)]  # six exports referenced at once
     one = nbytes(held[0])
     assert len(set().union(*map(ptrs, held))) == 6 * len(ptrs(held[0]))
-    assert engine.buffers.nbytes == 6 * one
+    assert _pool.EXPORTS.nbytes == 6 * one
     first = ptrs(held[0])
     held.clear()
     seventh = export(opt)
     assert ptrs(seventh) == first, "the first idle buffers were not reused"
-    assert engine.buffers.nbytes == one, "idle buffers of earlier exports are still kept"
+    assert _pool.EXPORTS.nbytes == one, "idle buffers of earlier exports are still kept"
     assert_same_export(seventh, reference(opt))
 
 
@@ -203,7 +210,7 @@ def test_an_export_in_flight_keeps_two_sets_and_no_more(clean: None) -> None:
         current = export(opt)
         sets.append(ptrs(current))
         assert not sets[-1] & sets[-2], "the export in flight was overwritten"
-        assert engine.buffers.nbytes == 2 * nbytes(current)
+        assert _pool.EXPORTS.nbytes == 2 * nbytes(current)
         assert_same_export(current, reference(opt))
         previous = current  # the one before is released only now
         del current
@@ -217,26 +224,29 @@ def test_busy_buffers_stay_kept_and_are_reused_once_released(clean: None) -> Non
     old_ptrs = ptrs(old)
     for _ in range(3):
         export(opt)  # each result dropped at once: one set cycles, `old` stays busy
-    assert engine.buffers.nbytes == 2 * nbytes(old)
+    assert _pool.EXPORTS.nbytes == 2 * nbytes(old)
     del old
     again = [export(opt), export(opt)]  # both sets in use again, none fresh
     assert ptrs(again[0]) | ptrs(again[1]) >= old_ptrs
-    assert engine.buffers.nbytes == 2 * nbytes(again[0])
+    assert _pool.EXPORTS.nbytes == 2 * nbytes(again[0])
 
 
 # --- issue 15.3: an asynchronous KeyboardInterrupt at any point of an export -------------------
 
 
+EXPORT_FILES = {engine.__file__, _ring.__file__, _pool.__file__}
+
+
 class Interrupter:
-    """A profile hook raising KeyboardInterrupt at the k-th point of the engine's code where
-    CPython can deliver an asynchronous exception: a Python function's entry (or a generator's
-    resumption) and the return of a call into C."""
+    """A profile hook raising KeyboardInterrupt at the k-th point of the export's code (the
+    engine, its ring and its pool) where CPython can deliver an asynchronous exception: a Python
+    function's entry (or a generator's resumption) and the return of a call into C."""
 
     def __init__(self, k: int) -> None:
         self.k, self.seen, self.fired = k, 0, ""
 
     def __call__(self, frame: Any, event: str, arg: Any) -> None:
-        if event not in ("call", "c_return") or frame.f_code.co_filename != engine.__file__:
+        if event not in ("call", "c_return") or frame.f_code.co_filename not in EXPORT_FILES:
             return
         if frame.f_code.co_name == "<lambda>":
             return  # a weakref callback: Python prints and drops what it raises
@@ -274,20 +284,61 @@ def test_keyboard_interrupt_anywhere_loses_no_stager(clean: None, cold: bool) ->
     opt = optimizer(torch.uint8)
     ref = reference(opt)
     export(opt)
-    ring = engine.pinned_pool_bytes()
+    ring = pinned_pool_bytes()
     assert ring > 0
     points = []
     for where, raised in interrupted_exports(opt, cold=cold):
         if raised:
             points.append(where)
-        assert engine.staging_in_use() == 0, f"a stager is still lent after an interrupt at {where}"
-        assert engine.pinned_pool_bytes() <= ring, f"a second ring after an interrupt at {where}"
+        assert _ring.in_use() == 0, f"a stager is still lent after an interrupt at {where}"
+        assert pinned_pool_bytes() <= ring, f"a second ring after an interrupt at {where}"
     # The interrupts reached the caller (this Python lets a profile hook raise), many of them
     # in the pool's own code.
     assert len(points) > 50, points
     assert sum("take" in p or "_stager" in p for p in points) >= 5, points
     # The pool is whole: the next export reuses the one ring and release frees it.
     assert_same_export(export(opt), ref)
-    assert engine.staging_in_use() == 0 and engine.pinned_pool_bytes() == ring
+    assert _ring.in_use() == 0 and pinned_pool_bytes() == ring
     release_buffers()
-    assert engine.pinned_pool_bytes() == 0
+    assert pinned_pool_bytes() == 0
+
+
+# --- issue 22: one ring and one pool, one size query, one release ----------------------------
+
+
+def test_a_pooled_ring_is_lent_once_and_reused(clean: None) -> None:
+    cpu = torch.device("cpu")
+    with _ring.lend(cpu, slot_bytes=64, slots=2) as ring:
+        assert _ring.in_use() == 1 and ring.nbytes == 128
+        with _ring.lend(cpu, slot_bytes=64, slots=2) as other:
+            assert other is not ring, "a lent ring was lent twice"
+        assert pinned_pool_bytes() == 256
+    with _ring.lend(cpu, slot_bytes=64, slots=2) as again:
+        assert again in (ring, other), "an idle ring was not reused"
+    assert _ring.in_use() == 0 and pinned_pool_bytes() == 256
+    release_buffers()
+    assert pinned_pool_bytes() == 0
+
+
+def test_an_unkept_ring_counts_while_lent_and_goes_on_return(clean: None) -> None:
+    """The planner's ring (``keep=False``): in the size query while its load runs, then freed."""
+    lender = _ring.SlotLender(torch.device("cpu"), slot_bytes=64, slots=2)
+    assert pinned_pool_bytes() == 128 and lender.nbytes == 128
+    slot = lender.take()
+    assert slot is not None
+    lender.upload(slot, torch.empty(16), lender.view(slot, (16,), torch.float32))
+    lender.close()
+    assert lender.nbytes == 0 and pinned_pool_bytes() == 0
+    assert _ring.in_use() == 0
+
+
+def test_release_buffers_frees_the_snapshot_pools_too(clean: None) -> None:
+    """One pool class: ``release_buffers()`` lets go of a ``SnapshotStager``'s kept buffers."""
+    from te_ckpt_placement.dcp import SnapshotStager
+
+    stager = SnapshotStager(pin_memory=False)
+    stager.stage({"w": torch.ones(1000)})
+    assert stager.buffer_bytes == 4000
+    assert _pool.held_bytes() >= 4000 and _pool.held_bytes(pinned=True) == 0
+    release_buffers()
+    assert stager.buffer_bytes == 0 and _pool.held_bytes() == 0

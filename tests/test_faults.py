@@ -9,7 +9,14 @@ from typing import Any
 import pytest
 import torch
 
-from te_ckpt_placement import Placement, current_placement, engine, export_placement, te_load
+from te_ckpt_placement import (
+    Placement,
+    _ring,
+    current_placement,
+    export_placement,
+    pinned_pool_bytes,
+    te_load,
+)
 
 from .support.faults import FAULTS, assert_view_equal, nth_call_raises, optimizer_view
 from .support.helpers import assert_same_export, assert_snapshot_equal, snapshot
@@ -42,7 +49,7 @@ def test_export_fault_at_kth_state(
     before = snapshot(opt)
     with export_placement("cpu"):
         opt.state_dict()  # warm the staging pool
-    pool = engine.pinned_pool_bytes()
+    pool = pinned_pool_bytes()
     owner, attr, exc = FAULTS[fault]
     monkeypatch.setattr(owner, attr, nth_call_raises(k, exc, getattr(owner, attr)))
     with pytest.raises(type(exc)), export_placement("cpu"):
@@ -50,8 +57,8 @@ def test_export_fault_at_kth_state(
     monkeypatch.undo()
     assert current_placement() is None, "the policy was not restored"
     assert_snapshot_equal(before, snapshot(opt))
-    assert engine.staging_in_use() == 0, "a stager was not returned to the pool"
-    assert engine.pinned_pool_bytes() == pool, "the pool grew or leaked"
+    assert _ring.in_use() == 0, "a stager was not returned to the pool"
+    assert pinned_pool_bytes() == pool, "the pool grew or leaked"
     with export_placement("cpu"):
         assert_same_export(opt.state_dict(), reference)
 
@@ -60,7 +67,7 @@ def test_export_fault_at_kth_state(
 # chunks are small, so states span several), or in TE's scaling of an FP16/FP8 state.
 LOAD_FAULTS = {
     "state": (te_load, "_write_one"),
-    "chunk": (engine._Stager, "copy_async"),
+    "chunk": (_ring.Ring, "copy"),
     "scale": (StandInFusedAdam, "set_scaled_state"),
 }
 LOAD_MODES = [(torch.bfloat16, "remainder"), (torch.float16, "fp16"), (torch.uint8, "fp32")]
@@ -74,7 +81,7 @@ LOAD_CASES = [
 
 @pytest.fixture
 def tiny_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(engine, "CHUNK_BYTES", 64)
+    monkeypatch.setattr(_ring, "CHUNK_BYTES", 64)
 
 
 def inject(monkeypatch: pytest.MonkeyPatch, where: str, k: int, exc: BaseException) -> None:
@@ -112,7 +119,7 @@ def test_load_fault_rolls_back_exactly(
     monkeypatch.undo()
     assert target.state is state_obj
     assert_view_equal(before, optimizer_view(target))
-    assert engine.staging_in_use() == 0
+    assert _ring.in_use() == 0
     # ... and the optimizer still works: a retried load gives exactly TE's result.
     with export_placement("cpu"):
         target.load_state_dict(checkpoint)
@@ -151,7 +158,7 @@ def test_load_fault_without_rollback_says_what_was_written_and_a_retry_repairs(
     assert f"{k - 1} of 12 states were written" in message
     assert f"state {expected_where[1]!r} of parameter {expected_where[0]} failed" in message
     assert "load_state_dict again with the same checkpoint" in message
-    assert engine.staging_in_use() == 0
+    assert _ring.in_use() == 0
     # The mix the message describes: written states are TE's, the others still the old ones.
     reference = te_loaded(moments, master, checkpoint)
     now, loaded = states_in_order(target), states_in_order(reference)
@@ -177,7 +184,7 @@ def test_interrupt_without_rollback_keeps_propagating_with_a_note(
     notes = "\n".join(getattr(caught.value, "__notes__", []))
     if hasattr(caught.value, "add_note"):
         assert "states were written" in notes and "same checkpoint" in notes
-    assert engine.staging_in_use() == 0
+    assert _ring.in_use() == 0
     with export_placement("cpu"):
         target.load_state_dict(checkpoint)
     assert_view_equal(
@@ -261,7 +268,7 @@ def test_load_host_peak_is_bounded_without_rollback_and_a_full_copy_with_it() ->
             opt.load_state_dict(checkpoint)
         peaks.append(_peak_rss() - base)
     default, with_rollback = peaks
-    limit = (256 << 20) + 2 * engine.CHUNK_BYTES
+    limit = (256 << 20) + 2 * _ring.CHUNK_BYTES
     assert default <= limit, f"the load's own host peak {default} > {limit}"
     # The measurement sees a full copy (pages malloc already holds may absorb a little).
     assert with_rollback >= 0.9 * written, f"rollback=True peaked at {with_rollback} < R {written}"

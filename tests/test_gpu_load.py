@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from te_ckpt_placement import engine, export_placement, install, te_load
+from te_ckpt_placement import _ring, export_placement, install, te_load
 
 from .support.faults import nth_call_raises
 from .support.helpers import bits, peak_extra
@@ -106,7 +106,7 @@ def test_host_checkpoint_load_is_te_bit_for_bit_and_bounded(
     monkeypatch: pytest.MonkeyPatch, mode: Mode, layout: str, chunk: str
 ) -> None:
     if chunk != "default":  # states of up to 33 K elements cross several chunks
-        monkeypatch.setattr(engine, "CHUNK_BYTES", 64 << 10)
+        monkeypatch.setattr(_ring, "CHUNK_BYTES", 64 << 10)
     checkpoint = host_checkpoint(mode, layout=layout, special=True)
     frozen = copy.deepcopy(checkpoint)
     target, reference = twins(mode, seed=2)
@@ -137,7 +137,7 @@ def test_gpu_resident_checkpoint_loads_like_te_on_the_device(mode: Mode) -> None
     frozen = copy.deepcopy(checkpoint)
     target, reference = twins(mode, seed=2)
     copies = [0]
-    real = engine._Stager.copy_async
+    real = _ring.Ring.copy
 
     def counting(*args: Any) -> Any:
         copies[0] += 1
@@ -148,7 +148,7 @@ def test_gpu_resident_checkpoint_loads_like_te_on_the_device(mode: Mode) -> None
             target.load_state_dict(checkpoint)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(engine._Stager, "copy_async", counting)
+        mp.setattr(_ring.Ring, "copy", counting)
         _, extra = peak_extra(ours)
     # TE scales FP16 states of a device checkpoint in place in the caller's tensors (L307).
     reference.load_state_dict(copy.deepcopy(checkpoint))
@@ -216,7 +216,7 @@ def test_te_own_aliasing_export_loads_like_te(mode: Mode, how: str) -> None:
     assert_same_live(target, reference)
 
 
-FAULT_POINTS = {"state": (te_load, "_write_one"), "chunk": (engine._Stager, "copy_async")}
+FAULT_POINTS = {"state": (te_load, "_write_one"), "chunk": (_ring.Ring, "copy")}
 
 
 @pytest.mark.parametrize("rollback", [True, False])
@@ -226,7 +226,7 @@ FAULT_POINTS = {"state": (te_load, "_write_one"), "chunk": (engine._Stager, "cop
 def test_fault_part_way_with_and_without_rollback(
     monkeypatch: pytest.MonkeyPatch, mode: Mode, exc: BaseException, where: str, rollback: bool
 ) -> None:
-    monkeypatch.setattr(engine, "CHUNK_BYTES", 64 << 10)  # states span several chunks
+    monkeypatch.setattr(_ring, "CHUNK_BYTES", 64 << 10)  # states span several chunks
     checkpoint = host_checkpoint(mode)
     target, reference = twins(mode, seed=2)
     before = live_bits(target)
@@ -246,7 +246,7 @@ def test_fault_part_way_with_and_without_rollback(
     error = caught.value
     del caught  # its traceback would keep the failed call's frames alive
     torch.cuda.synchronize()
-    assert engine.staging_in_use() == 0
+    assert _ring.in_use() == 0
     if rollback:
         after = live_bits(target)
         assert [k for k, _ in after] == [k for k, _ in before]

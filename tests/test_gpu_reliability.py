@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from te_ckpt_placement import current_placement, engine, export_placement, install
+from te_ckpt_placement import _ring, current_placement, export_placement, install, pinned_pool_bytes
 
 from .support.faults import FAULTS, nth_call_raises
 from .support.helpers import assert_same_export, through_torch_save
@@ -43,7 +43,7 @@ def test_export_fault_leaves_state_memory_and_pool_clean(
     with export_placement("cpu"):
         opt.state_dict()  # warm the pool
     torch.cuda.synchronize()
-    gpu_base, pool = torch.cuda.memory_allocated(), engine.pinned_pool_bytes()
+    gpu_base, pool = torch.cuda.memory_allocated(), pinned_pool_bytes()
     owner, attr, exc = FAULTS[fault]
     monkeypatch.setattr(owner, attr, nth_call_raises(5, exc, getattr(owner, attr)))
     with pytest.raises(type(exc)), export_placement("cpu"):
@@ -52,7 +52,7 @@ def test_export_fault_leaves_state_memory_and_pool_clean(
     torch.cuda.synchronize()
     assert current_placement() is None
     assert torch.cuda.memory_allocated() == gpu_base, "GPU memory did not return to baseline"
-    assert engine.staging_in_use() == 0 and engine.pinned_pool_bytes() == pool
+    assert _ring.in_use() == 0 and pinned_pool_bytes() == pool
     assert all(torch.equal(a, b) for a, b in zip(before, live_bits(opt), strict=True))
     with export_placement("cpu"):
         assert_same_export(opt.state_dict(), reference)

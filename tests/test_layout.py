@@ -183,3 +183,24 @@ def test_multigpu_marker_says_how_many_gpus(monkeypatch: pytest.MonkeyPatch) -> 
     assert skip(_Item(gpu), 0) == "needs a CUDA GPU"
     with pytest.raises(pytest.UsageError):  # a bad marker fails on a CPU-only machine too
         skip(_Item(multigpu(0)), 0)
+
+
+def test_one_class_constructs_a_cuda_stream() -> None:
+    """Issue 22: one staging ring (``_ring.Ring``) owns every copy stream of the package."""
+
+    def streams(node: ast.AST) -> int:
+        return sum(
+            isinstance(n, ast.Call) and ast.unparse(n.func) == "torch.cuda.Stream"
+            for n in ast.walk(node)
+        )
+
+    calls, owners = 0, set()
+    for path in sorted((ROOT / "te_ckpt_placement").rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        calls += streams(tree)
+        owners |= {
+            f"{path.name}:{n.name}"
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ClassDef) and streams(n)
+        }
+    assert owners == {"_ring.py:Ring"} and calls == 1, (owners, calls)

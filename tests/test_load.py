@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from te_ckpt_placement import engine, export_placement
+from te_ckpt_placement import _ring, export_placement
 
 from .support.helpers import assert_same_export, assert_snapshot_equal, bits, local, snapshot
 from .support.load_cases import (
@@ -336,7 +336,7 @@ LARGE_SHAPES = [(40, 33), (1100,), (3, 20, 9), (1,), ()]
 @pytest.fixture
 def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunks of 1 KiB: every state above 512 elements crosses several, and the ring wraps."""
-    monkeypatch.setattr(engine, "CHUNK_BYTES", 1024)
+    monkeypatch.setattr(_ring, "CHUNK_BYTES", 1024)
 
 
 def build_large(moments: torch.dtype, master: str, seed: int) -> StandInFusedAdam:
@@ -380,7 +380,7 @@ def test_pipeline_equals_te_load_for_any_layout_and_special_values(
     before_bits = frozen_bits(checkpoint)
     target, reference = build_large(moments, master, seed=7), build_large(moments, master, seed=7)
     before = storages(target)
-    copies = count_calls(monkeypatch, engine._Stager, "copy_async")
+    copies = count_calls(monkeypatch, _ring.Ring, "copy")
     with export_placement("cpu"):
         target.load_state_dict(checkpoint)
     monkeypatch.undo()
@@ -912,11 +912,10 @@ def test_uploader_bf16_equals_te_conversion_for_any_source(
 ) -> None:
     """``Uploader.write`` into BF16 == ``src.float().bfloat16()`` (TE's op), NaNs included, for
     0-d, one-element and larger sources of every floating dtype, chunked or not."""
-    from te_ckpt_placement import upload
 
     gen = torch.Generator().manual_seed(5)
     for chunk in (64, 1 << 20):
-        monkeypatch.setattr(engine, "CHUNK_BYTES", chunk)
+        monkeypatch.setattr(_ring, "CHUNK_BYTES", chunk)
         for shape in [(), (1,), (1, 1), (2,), (3, 1, 5), (40, 9)]:
             values = torch.randn(shape, generator=gen)
             flat = values.view(-1)
@@ -925,7 +924,7 @@ def test_uploader_bf16_equals_te_conversion_for_any_source(
                 flat[1] = -float("nan")
             src = restride(values.to(dtype), layout)
             dst = torch.empty(shape, dtype=torch.bfloat16)
-            with upload.Uploader(torch.device("cpu")) as up:
+            with _ring.Uploader(torch.device("cpu")) as up:
                 up.write(dst, src)
             expected = src.float().bfloat16()
             assert torch.equal(raw_bits(dst), raw_bits(expected)), (shape, chunk)
@@ -943,9 +942,8 @@ def test_uploader_fp32_and_int16_equal_te_copies(
     kernel and by position (a short tensor's NaNs all become 0x7FFFFFFF, a long one's keep
     theirs), so no chunked conversion can promise TE's. BF16 rounding makes them all one NaN.
     """
-    from te_ckpt_placement import upload
 
-    monkeypatch.setattr(engine, "CHUNK_BYTES", 256)
+    monkeypatch.setattr(_ring, "CHUNK_BYTES", 256)
     gen = torch.Generator().manual_seed(6)
     for shape in [(), (1,), (3, 1, 5), (40, 9)]:
         values = with_special_values(torch.randn(shape, generator=gen))
@@ -954,12 +952,12 @@ def test_uploader_fp32_and_int16_equal_te_copies(
         src = restride(values.to(dtype), layout)
         backwards = tuple(reversed(range(len(shape))))
         for dst in (torch.empty(shape), torch.empty(tuple(reversed(shape))).permute(backwards)):
-            with upload.Uploader(torch.device("cpu")) as up:
+            with _ring.Uploader(torch.device("cpu")) as up:
                 up.write(dst, src)
             assert torch.equal(raw_bits(dst), raw_bits(src.float())), (shape, dtype)
         ints = restride(torch.randint(-(1 << 15), 1 << 15, shape, dtype=torch.int16), layout)
         out = torch.empty(shape, dtype=torch.int16)
-        with upload.Uploader(torch.device("cpu")) as up:
+        with _ring.Uploader(torch.device("cpu")) as up:
             up.write(out, ints)
         assert torch.equal(out, ints)
 

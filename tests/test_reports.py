@@ -22,7 +22,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import te_ckpt_placement
-from te_ckpt_placement import _te_cost, engine, export_placement, last_report, reports, te_load
+from te_ckpt_placement import (
+    _ring,
+    _te_cost,
+    engine,
+    export_placement,
+    last_report,
+    reports,
+    te_load,
+)
 
 from .support.helpers import aliases_live, exported_tensors, live_storages
 from .support.standin import StandInFusedAdam, make_optimizer, train
@@ -43,9 +51,9 @@ IDS = [f"{str(m).split('.')[-1]}-{master}" for m, master in CASES]
 @pytest.fixture(autouse=True)
 def fresh_staging(hooked_standin: None) -> Iterator[None]:
     """A fresh stager for each test: its scratch is then what this test's exports made it."""
-    engine.clear_pinned_pool()
+    _ring.release_idle()
     yield
-    engine.clear_pinned_pool()
+    _ring.release_idle()
 
 
 def build(moments: torch.dtype, master: str, seed: int = 0) -> StandInFusedAdam:
@@ -73,7 +81,7 @@ def live_states(opt: StandInFusedAdam) -> list[tuple[torch.Tensor, str, Any]]:
 
 def staging(scratch_elements: int = 0) -> int:
     """The ring of one stager, and an E4M3 scratch of int16 patterns."""
-    return engine.RING * engine.CHUNK_BYTES + 2 * scratch_elements
+    return _ring.RING * _ring.CHUNK_BYTES + 2 * scratch_elements
 
 
 def largest(opt: StandInFusedAdam, dtypes: tuple[torch.dtype, ...]) -> int:
@@ -217,7 +225,7 @@ def test_load_report_counts_what_moved(moments: torch.dtype, master: str, rollba
     opt = build(moments, master)
     with export_placement("cpu"):
         checkpoint = opt.state_dict()
-    engine.clear_pinned_pool()  # the load's stager then has no scratch from the export
+    _ring.release_idle()  # the load's stager then has no scratch from the export
     kept = rollback_bytes(opt) if rollback else 0
     te_cost = te_load_temporaries(build(moments, master), checkpoint)  # into a twin
     with export_placement("cpu", rollback=rollback):
@@ -244,14 +252,14 @@ def test_load_widening_a_bf16_checkpoint_counts_its_host_block(
     for states in checkpoint["state"].values():
         for name in ("exp_avg", "exp_avg_sq"):
             states[name] = states[name].bfloat16()
-    monkeypatch.setattr(engine, "CHUNK_BYTES", 256)  # blocks of 128 BF16 elements
-    engine.clear_pinned_pool()
+    monkeypatch.setattr(_ring, "CHUNK_BYTES", 256)  # blocks of 128 BF16 elements
+    _ring.release_idle()
     with export_placement("cpu"):
         opt.load_state_dict(checkpoint)
     report = last_report()
     assert report is not None
     # The largest moment (200 elements) goes in blocks of 100: one FP32 block of 100 at a time.
-    assert report.peak_host_bytes == engine.RING * 256 + 4 * 100
+    assert report.peak_host_bytes == _ring.RING * 256 + 4 * 100
 
 
 def test_load_of_a_strided_fp16_value_counts_its_device_copy() -> None:

@@ -9,7 +9,7 @@ fill, ``commit_tensor`` says it was filled):
 
 - BF16, FP32 and int16 (master remainder) states are elementwise: an item is copied into the
   region of the live state it covers as it arrives. To a GPU state the reader's copy goes into a
-  pinned host slot of an :class:`_UploadRing` (converted there, in the state's dtype), which is
+  pinned host slot lent by :class:`.._ring.SlotLender` (converted there, in the state's dtype),
   then copied to the live region asynchronously while the reader reads the next item; items
   larger than a slot are copied straight into the live region. Either way an FP32 item for a
   BF16 state is rounded to nearest even on the host with the bits torch's own host-to-device
@@ -67,7 +67,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from .. import te_load
+from .. import _ring, te_load
 from .._convert import Slot as _Slot
 from ..te_contract import (
     STATE_NAMES,
@@ -125,107 +125,6 @@ def _write_state(optimizer: Any, param: torch.Tensor, name: str, value: torch.Te
     ``te_load.load_state``, which validates the value and writes it exactly as TE's load would.
     """
     te_load.load_state(optimizer, param, name, value)
-
-
-class _CpuEvent:
-    """The ring's event on a host device (the CPU seam): copies there complete at once."""
-
-    def __init__(self) -> None:
-        self.recorded = 0  # uploads recorded
-        self.waited = 0  # how many of them the ring waited for
-
-    def record(self) -> None:
-        self.recorded += 1
-
-    def synchronize(self) -> None:
-        self.waited = self.recorded
-
-
-class _UploadRing:
-    """Pinned host slots for one device and the copy stream that uploads them.
-
-    :meth:`take` lends a slot for one item (after the slot's previous upload completed; None
-    when every slot is lent), :meth:`upload` queues its copy into the live region and records the
-    slot's event. The copy stream first waits for the current stream (where the live state was
-    made and last used), and the current stream then waits for the copy, so anything launched
-    after it, also after a failed load, sees the data. The copy stream allocates nothing.
-    :meth:`close` synchronizes every copy before the slots are let go.
-    """
-
-    def __init__(self, device: torch.device, slot_bytes: int) -> None:
-        self.device = device
-        cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if cuda else None
-        self.buffers = [
-            torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=cuda) for _ in range(UPLOAD_SLOTS)
-        ]
-        self.events: list[Any] = [
-            torch.cuda.Event() if cuda else _CpuEvent() for _ in range(UPLOAD_SLOTS)
-        ]
-        self.queued = [False] * UPLOAD_SLOTS  # an upload from the slot may be in flight
-        self.lent = [False] * UPLOAD_SLOTS  # handed to the reader, not committed yet
-        self._turn = 0
-        self.wait_s = 0.0
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() for b in self.buffers)
-
-    def take(self) -> int | None:
-        """A free slot, once its previous upload completed; None if all are lent."""
-        for k in range(UPLOAD_SLOTS):
-            slot = (self._turn + k) % UPLOAD_SLOTS
-            if not self.lent[slot]:
-                break
-        else:
-            return None
-        if self.queued[slot]:
-            start = time.perf_counter()
-            self.events[slot].synchronize()
-            self.wait_s += time.perf_counter() - start
-            self.queued[slot] = False
-        self._turn = slot + 1
-        self.lent[slot] = True
-        return slot
-
-    def view(self, slot: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        nbytes = math.prod(shape) * dtype.itemsize
-        buffer = self.buffers[slot][:nbytes].view(dtype).view(shape)
-        return buffer.as_subclass(_Slot)
-
-    def upload(self, slot: int, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Queues ``dst.copy_(src)`` (same dtype and shape, both contiguous) from ``slot``."""
-        src = src.as_subclass(torch.Tensor)
-        self.lent[slot] = False
-        event = self.events[slot]
-        if self.stream is None:
-            with torch.no_grad():
-                dst.copy_(src)
-            event.record()
-        else:
-            current = torch.cuda.current_stream(self.device)
-            self.stream.wait_stream(current)  # dst's allocation or last use is queued there
-            with torch.cuda.stream(self.stream), torch.no_grad():
-                dst.copy_(src, non_blocking=True)
-                event.record(self.stream)
-            current.wait_event(event)
-        self.queued[slot] = True
-
-    def close(self) -> None:
-        """Waits for every upload, then lets the slots go (also on an error path)."""
-        start = time.perf_counter()
-        try:
-            if self.stream is not None:
-                self.stream.synchronize()
-            else:
-                for slot, event in enumerate(self.events):
-                    if self.queued[slot]:
-                        event.synchronize()
-        finally:
-            self.wait_s += time.perf_counter() - start
-            self.queued = [False] * UPLOAD_SLOTS
-            self.lent = [False] * UPLOAD_SLOTS
-            self.buffers = []
 
 
 class _Target:
@@ -569,8 +468,8 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         self._failed: str | None = None  # the first state whose read or write failed
         # Fresh optimizers this load gave TE's initial states, with their groups' steps before.
         self._initial: list[tuple[Any, list[Any]]] = []
-        self._rings: dict[torch.device, _UploadRing] = {}
-        self._pending: dict[ReadItem, tuple[_UploadRing, int, torch.Tensor]] = {}
+        self._rings: dict[torch.device, _ring.SlotLender] = {}
+        self._pending: dict[ReadItem, tuple[_ring.SlotLender, int, torch.Tensor]] = {}
         #: Where the load's time went, for benchmarks: seconds inside ``resolve_tensor`` and
         #: ``commit_tensor`` of optimizer states and waiting for uploads (a slot's previous
         #: upload, and the last ones), items read through the upload ring (``ring_items``,
@@ -863,7 +762,9 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
             return None
         ring = self._rings.get(device)
         if ring is None:
-            ring = self._rings[device] = _UploadRing(device, self._slot_bytes)
+            ring = self._rings[device] = _ring.SlotLender(
+                device, slot_bytes=self._slot_bytes, slots=UPLOAD_SLOTS, view_as=_Slot
+            )
             self.stats["ring_host_bytes"] += ring.nbytes
         slot = ring.take()
         if slot is None:

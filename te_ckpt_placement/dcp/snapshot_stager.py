@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,8 +26,7 @@ import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
-from .. import engine
-from .host_buffers import HostBuffers
+from .. import _pool, _ring, engine
 from .lazy_state import LazyState, _Ledger, lazy_of, rewrap
 
 __all__ = ["SnapshotStager", "SnapshotStats"]
@@ -63,10 +63,12 @@ def _nbytes(t: torch.Tensor) -> int:
 class _Snapshot:
     """One stage() call: walks the state dict, queues the copies, rebuilds the containers."""
 
-    def __init__(self, buffers: HostBuffers, pin_memory: bool) -> None:
+    def __init__(self, buffers: _pool.HostPool, pin_memory: bool) -> None:
         self.buffers = buffers
         self.pin_memory = pin_memory
-        self.streams: dict[torch.device, Any] = {}
+        self.round = object()  # what this stage() takes from the pool
+        self.rings: dict[torch.device, _ring.Ring] = {}
+        self._lent = ExitStack()
         self.ledger = _Ledger()
         self.raw_bytes = 0
         self.other_bytes = 0
@@ -76,23 +78,28 @@ class _Snapshot:
     def copy(self, src: torch.Tensor, key: Any) -> torch.Tensor:
         """A host copy of ``src`` (queued, for a CUDA source) in a buffer named ``key``."""
         cuda = src.device.type == "cuda"
-        dst = self.buffers.take(key, src.shape, src.dtype, pinned=cuda and self.pin_memory)
+        dst = self.buffers.take(
+            src.shape, src.dtype, key=key, pinned=cuda and self.pin_memory, round=self.round
+        )
         if not cuda:
             dst.copy_(src)
             return dst
-        stream = self.streams.get(src.device)
-        if stream is None:
-            stream = torch.cuda.Stream(src.device)
+        ring = self.rings.get(src.device)
+        if ring is None:
+            # The copy stream only: the copies go straight into the pool's buffers.
+            ring = self._lent.enter_context(_ring.lend(src.device, slots=0))
             # What the compute stream has queued (the last step) lands before we read.
-            stream.wait_stream(torch.cuda.current_stream(src.device))
-            self.streams[src.device] = stream
-        with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
+            ring.after_current()
+            self.rings[src.device] = ring
+        ring.copy(None, dst, src)
         return dst
 
     def finish(self) -> None:
-        for stream in self.streams.values():
-            stream.synchronize()
+        try:
+            for ring in self.rings.values():
+                ring.synchronize()
+        finally:
+            self._lent.close()  # the rings go back (their streams synchronized again)
 
     def lazy(self, lazy: LazyState, path: tuple[Any, ...]) -> torch.Tensor:
         source = lazy.source
@@ -176,7 +183,7 @@ class SnapshotStager(AsyncStager):
                 "for GPU copies) or False (pageable memory)"
             )
         self.pin_memory = pin_memory
-        self._buffers = HostBuffers()
+        self._buffers = _pool.HostPool(keep_busy=False)
         self.last_stats: SnapshotStats | None = None
 
     @property
@@ -202,7 +209,7 @@ class SnapshotStager(AsyncStager):
         finally:
             snapshot.finish()  # copies in flight must land before any buffer is reused or freed
             allocated = self._buffers.allocated_bytes
-            self._buffers.end_round()
+            self._buffers.end_round(snapshot.round)
         self.last_stats = SnapshotStats(
             raw_bytes=snapshot.raw_bytes,
             other_bytes=snapshot.other_bytes,
@@ -218,4 +225,4 @@ class SnapshotStager(AsyncStager):
 
     def close(self) -> None:
         """Releases the kept buffers (after the last save)."""
-        self._buffers.close()
+        self._buffers.release()

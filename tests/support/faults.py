@@ -14,7 +14,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
-from te_ckpt_placement import engine
+from te_ckpt_placement import _pool, _ring
 
 from .helpers import assert_snapshot_equal, snapshot
 
@@ -57,9 +57,9 @@ class StopAfter(FileSystemReader):
 
 
 FAULTS = {
-    "host_copy": (engine._Stager, "copy_async", RuntimeError("injected copy failure")),
-    "host_alloc": (engine, "empty_host", MemoryError("injected allocation failure")),
-    "interrupt": (engine._Stager, "copy_async", KeyboardInterrupt()),
+    "host_copy": (_ring.Ring, "copy", RuntimeError("injected copy failure")),
+    "host_alloc": (_pool, "empty_host", MemoryError("injected allocation failure")),
+    "interrupt": (_ring.Ring, "copy", KeyboardInterrupt()),
 }
 
 

@@ -1,0 +1,290 @@
+"""The host-buffer pool: host tensors kept and handed out again once nobody holds them.
+
+One allocator (:func:`empty_host`) makes every fresh host buffer the package keeps: pageable
+memory advised to use huge pages, or pinned memory for copies from a GPU (large buffers are
+anonymous maps registered with ``cudaHostRegister``, the way torch's DCP stager pins its buffers;
+torch's pinned allocator would round each one up to a power of two). One pool class
+(:class:`HostPool`) keeps them: the exports' ``reuse_buffers`` outputs (:data:`EXPORTS`) and each
+``SnapshotStager``'s buffers. :func:`release_all` frees every pool's buffers and the idle staging
+rings; :func:`held_bytes` is the one size query over both.
+
+Uses only APIs that torch 2.11 (the GPU machine's version) and 2.13 share.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import mmap
+import os
+import sys
+import threading
+import warnings
+import weakref
+from typing import Any, Protocol
+
+import torch
+
+__all__ = [
+    "EXPORTS",
+    "Holder",
+    "HostPool",
+    "empty_host",
+    "held_bytes",
+    "register",
+    "release_all",
+    "storage_idle",
+]
+
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+_libc: Any = None
+if sys.platform.startswith("linux"):
+    try:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    except (OSError, AttributeError):  # pragma: no cover - exotic libc
+        _libc = None
+
+#: Ask the kernel for transparent huge pages on fresh host buffers. A first save writes its
+#: output into never-touched memory, and with 4 KiB pages the page faults, not PCIe, bound it.
+#: Set TE_CKPT_PLACEMENT_HUGEPAGES=0 to keep the system default.
+HUGEPAGES = os.environ.get("TE_CKPT_PLACEMENT_HUGEPAGES", "1") != "0"
+
+#: Pinned buffers below this size come from torch's pinned allocator rather than their own map.
+SMALL_PINNED_BYTES = 1 << 20
+_CUDA_HOST_REGISTER_PORTABLE = 1  # as torch.cuda._pin_memory_utils registers
+
+
+def _advise_huge_pages(start: int, nbytes: int) -> None:
+    if HUGEPAGES and _libc is not None and nbytes >= 2 * _HUGE_PAGE:
+        first = (start + _HUGE_PAGE - 1) & ~(_HUGE_PAGE - 1)
+        last = (start + nbytes) & ~(_HUGE_PAGE - 1)
+        if last > first:
+            _libc.madvise(first, last - first, _MADV_HUGEPAGE)  # advice only: failure is fine
+
+
+def _pinned_bytes(nbytes: int) -> tuple[torch.Tensor, int | None]:
+    """``nbytes`` of pinned host memory, and the address registered with ``cudaHostRegister``."""
+    if nbytes < SMALL_PINNED_BYTES:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), None
+    mapping = mmap.mmap(-1, nbytes)
+    out = torch.frombuffer(mapping, dtype=torch.uint8)
+    address = out.data_ptr()
+    _advise_huge_pages(address, nbytes)
+    code = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, _CUDA_HOST_REGISTER_PORTABLE))
+    if code != 0:
+        raise RuntimeError(
+            f"pinning a {nbytes}-byte snapshot buffer failed (cudaHostRegister: cudaError "
+            f"{code}). Nothing was staged. Use SnapshotStager(pin_memory=False) to stage "
+            "into pageable memory (slower device-to-host copies)."
+        )
+    return out, address
+
+
+def _unregister(address: int) -> None:
+    code = int(torch.cuda.cudart().cudaHostUnregister(address))
+    if code != 0:
+        warnings.warn(
+            f"cudaHostUnregister failed with cudaError {code}", RuntimeWarning, stacklevel=3
+        )
+
+
+def empty_host(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous host tensor that owns exactly its bytes, advised to use huge pages."""
+    out = torch.empty(shape, dtype=dtype)
+    _advise_huge_pages(out.data_ptr(), out.numel() * out.element_size())
+    return out
+
+
+def storage_idle(storage: Any, control: object) -> bool:
+    """True when nothing outside its pool uses a kept host storage, so it may be written again.
+
+    ``control`` is an object the pool references exactly as it references ``storage`` (once,
+    from the same owner): their ``sys.getrefcount`` then differ only by outside references to
+    the storage object (``t.untyped_storage()`` held by a caller). The storage's own use count
+    covers tensors and views; shared memory may be mapped by another process.
+    """
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    return (
+        use_count is not None
+        and use_count(storage._cdata) == 1
+        and sys.getrefcount(storage) == sys.getrefcount(control)
+        and not storage.is_shared()
+    )
+
+
+class _Kept:
+    """One kept buffer: its storage, its size, whether pinned, and the round that last took it."""
+
+    __slots__ = ("control", "nbytes", "pinned", "registered", "round", "storage")
+
+    def __init__(self, storage: Any, nbytes: int, pinned: bool, round_: object) -> None:
+        self.storage = storage
+        self.nbytes = nbytes
+        self.pinned = pinned
+        self.registered: int | None = None  # the address registered with cudaHostRegister
+        # Referenced exactly as `storage` is (once, from this object): sys.getrefcount of the
+        # two, taken the same way, differs only by the references held outside the pool.
+        self.control = object()
+        self.round = round_
+
+    def release(self) -> None:
+        """Unpins; the memory itself goes when the last tensor using it does."""
+        if self.registered is not None:
+            address, self.registered = self.registered, None
+            _unregister(address)
+        self.storage = None
+
+
+class Holder(Protocol):
+    """What holds host memory for the size query and ``release_buffers()``: a pool, the rings."""
+
+    def nbytes_of(self, *, pinned: bool | None = None) -> int: ...
+
+    def release(self) -> None: ...
+
+
+#: Every live holder, for :func:`held_bytes` and :func:`release_all`.
+_holders: weakref.WeakSet[Any] = weakref.WeakSet()
+_holders_lock = threading.Lock()
+
+
+def register(holder: Holder) -> None:
+    """Counts ``holder`` in :func:`held_bytes` and frees it in :func:`release_all`, while alive."""
+    with _holders_lock:
+        _holders.add(holder)
+
+
+class HostPool:
+    """Host buffers kept across rounds (exports, snapshots) and handed out again once idle.
+
+    A buffer is reused only when nothing outside this pool can reach its memory: no tensor,
+    view, DTensor local tensor or NumPy array (each counts in the storage's use count), no
+    ``UntypedStorage`` or ``TypedStorage`` object (``t.untyped_storage()`` and ``t.storage()``
+    return the one Python object this pool also holds, so those count in its Python reference
+    count), and no other process (a storage moved to shared memory is never reused). So a save
+    still in flight, such as a DCP async save that holds the previous export, is never
+    overwritten; the next round gets fresh memory instead.
+
+    What is kept is bounded: :meth:`end_round` forgets the idle buffers that the round did not
+    take, so the pool holds the last round's buffers plus, with ``keep_busy``, those still in use
+    at its end (forgotten by a later round once released). Without ``keep_busy`` a round's end
+    lets go of every buffer it did not take.
+    """
+
+    def __init__(self, *, keep_busy: bool) -> None:
+        self.keep_busy = keep_busy
+        self._kept: dict[Any, list[_Kept]] = {}
+        self._lock = threading.Lock()
+        #: Bytes allocated since the last :meth:`end_round`.
+        self.allocated_bytes = 0
+        register(self)
+
+    def take(
+        self,
+        shape: torch.Size,
+        dtype: torch.dtype,
+        *,
+        key: Any = None,
+        pinned: bool = False,
+        round: object = None,
+    ) -> torch.Tensor:
+        """An idle kept buffer of this size, else a fresh one that is kept from now on.
+
+        ``key`` names the buffer (a state dict path; None: by shape and dtype). ``round`` names
+        the round taking it (any object); :meth:`end_round` keeps what it took, and a buffer is
+        handed out once per round.
+        """
+        shape = torch.Size(shape)
+        nbytes = math.prod(shape) * dtype.itemsize
+        name = (tuple(shape), dtype) if key is None else key
+        with self._lock:
+            for kept in self._kept.get(name, ()):
+                if (
+                    kept.nbytes == nbytes
+                    and kept.pinned == pinned
+                    and (round is None or kept.round is not round)
+                    and storage_idle(kept.storage, kept.control)
+                ):
+                    kept.round = round
+                    return torch.empty(0, dtype=dtype).set_(kept.storage, 0, shape)  # type: ignore[call-overload]
+        if pinned:
+            raw, address = _pinned_bytes(nbytes)
+            out = torch.empty(0, dtype=dtype).set_(raw.untyped_storage(), 0, shape)  # type: ignore[call-overload]
+        else:
+            out, address = empty_host(shape, dtype), None
+        kept = _Kept(out.untyped_storage(), nbytes, pinned, round)
+        kept.registered = address
+        with self._lock:
+            self._kept.setdefault(name, []).append(kept)
+            self.allocated_bytes += nbytes
+        return out
+
+    def end_round(self, round: object = None) -> None:
+        """Lets go of the buffers ``round`` did not take (and, with ``keep_busy``, are idle)."""
+        with self._lock:
+            for name, group in list(self._kept.items()):
+                keep = []
+                for kept in group:
+                    if kept.round is round or (self.keep_busy and not self._idle(kept)):
+                        keep.append(kept)
+                    else:
+                        kept.release()
+                if keep:
+                    self._kept[name] = keep
+                else:
+                    del self._kept[name]
+            self.allocated_bytes = 0
+
+    @staticmethod
+    def _idle(kept: _Kept) -> bool:
+        return storage_idle(kept.storage, kept.control)
+
+    def nbytes_of(self, *, pinned: bool | None = None) -> int:
+        """Bytes of the kept buffers (only the pinned ones, or only the pageable ones)."""
+        with self._lock:
+            return sum(
+                k.nbytes
+                for group in self._kept.values()
+                for k in group
+                if pinned is None or k.pinned == pinned
+            )
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffers kept for the next round."""
+        return self.nbytes_of()
+
+    def release(self) -> None:
+        """Lets go of every kept buffer (those still in use live on, unpinned, with their users)."""
+        with self._lock:
+            for group in self._kept.values():
+                for kept in group:
+                    kept.release()
+            self._kept.clear()
+
+
+#: Output buffers of exports made with ``Placement(reuse_buffers=True)``.
+EXPORTS = HostPool(keep_busy=True)
+
+
+def held_bytes(*, pinned: bool | None = None) -> int:
+    """Host bytes held by every pool and every staging ring (only the pinned ones, or only not).
+
+    Staging rings count as pinned, also on the CPU stand-in where their slots are pageable.
+    """
+    with _holders_lock:
+        holders = list(_holders)
+    return sum(holder.nbytes_of(pinned=pinned) for holder in holders)
+
+
+def release_all() -> None:
+    """Lets go of every pool's kept buffers and of the idle staging rings (``release_buffers()``).
+
+    Buffers still referenced live on with their users; a lent ring stays with its borrower.
+    """
+    with _holders_lock:
+        holders = list(_holders)
+    for holder in holders:
+        holder.release()
