@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from te_ckpt_placement import Placement, engine, export_placement, te_contract, te_hooks
+from te_ckpt_placement import Placement, _wrap, engine, export_placement, te_contract, te_hooks
 from te_ckpt_placement.engine import StateSource, materialize
 
 from .support.helpers import (
@@ -144,7 +144,7 @@ def test_optimizer_default_placement_and_active_policy_wins() -> None:
     opt = make_optimizer(model_params(torch.float32), moments=torch.float32)
     train(opt)
     live = live_storages(opt)
-    original = getattr(StandInFusedAdam.__dict__["state_dict"], te_hooks.MARK)
+    original = _wrap.original(StandInFusedAdam, "state_dict")
 
     def export() -> dict:
         # What te_ckpt_placement.FusedAdam.state_dict does with its state_dict_placement.
