@@ -21,7 +21,7 @@ except ImportError as exc:
         "te_ckpt_placement import fine; they only act on TE's optimizer."
     ) from exc
 
-from . import te_hooks
+from . import _wrap, te_hooks
 from .policy import Placement, as_placement
 
 __all__ = ["FusedAdam"]
@@ -121,5 +121,4 @@ class FusedAdam(_TEFusedAdam):
 
 def _te_method(name: str) -> Any:
     # TE's method as TE wrote it, also when te_ckpt_placement.install() has hooked the class.
-    method = _TEFusedAdam.__dict__[name]
-    return getattr(method, te_hooks.MARK, method)
+    return _wrap.original(_TEFusedAdam, name) or _TEFusedAdam.__dict__[name]

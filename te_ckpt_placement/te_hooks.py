@@ -13,6 +13,7 @@ the policy) or, if TE is imported later, right after that import.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -23,7 +24,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from . import policy
+from . import _wrap, policy
 from .policy import Placement
 from .te_contract import (
     REQUIRED_CLASS_ATTRS,
@@ -38,7 +39,9 @@ __all__ = ["install", "is_installed", "uninstall"]
 
 TE_OPTIMIZER_MODULE = "transformer_engine.pytorch.optimizers.fused_adam"
 
-MARK = "__te_ckpt_placement_original__"
+# The owner of TE's hooks among the wrappers of te_ckpt_placement._wrap; _wrap.original(cls, name)
+# is TE's own method under a hook.
+OWNER = "te_hooks"
 _lock = threading.RLock()
 _auto_install = True
 _warned_uninstalled = False
@@ -78,6 +81,16 @@ def placed_load_state_dict(
     return stream_load_state_dict(optimizer, state_dict, owner, rollback=placement.rollback)
 
 
+def _hooked_state_dict(cls: type, optimizer: Any, original: Callable[[], Any]) -> Any:
+    return placed_state_dict(optimizer, cls, lambda _: original())
+
+
+def _hooked_load_state_dict(
+    cls: type, optimizer: Any, original: Callable[[Any], Any], state_dict: Any
+) -> Any:
+    return placed_load_state_dict(optimizer, state_dict, cls, lambda _, sd: original(sd))
+
+
 def patch_class(cls: type) -> None:
     """Makes ``cls.state_dict`` and ``cls.load_state_dict`` follow the policy.
 
@@ -89,35 +102,26 @@ def patch_class(cls: type) -> None:
         missing = missing_attrs(cls, REQUIRED_CLASS_ATTRS)
         if missing:
             raise_contract(cls.__qualname__, missing)
-        original_save = cls.__dict__.get("state_dict", getattr(cls, "state_dict", None))
-        original_load = cls.__dict__.get("load_state_dict", getattr(cls, "load_state_dict", None))
-
-        def state_dict(self: Any) -> Any:
-            return placed_state_dict(self, cls, original_save)
-
-        def load_state_dict(self: Any, state_dict: Any) -> Any:
-            return placed_load_state_dict(self, state_dict, cls, original_load)
-
-        for hook, original in ((state_dict, original_save), (load_state_dict, original_load)):
-            hook.__doc__ = original.__doc__
-            hook.__qualname__ = f"{cls.__qualname__}.{hook.__name__}"
-            setattr(hook, MARK, original)
         # load_state_dict first: a reader that sees the hooked state_dict sees both hooked.
-        cls.load_state_dict = load_state_dict  # type: ignore[attr-defined]
-        cls.state_dict = state_dict  # type: ignore[attr-defined]
+        for name, hook in (
+            ("load_state_dict", _hooked_load_state_dict),
+            ("state_dict", _hooked_state_dict),
+        ):
+            doc = getattr(getattr(cls, name, None), "__doc__", None)
+            _wrap.remove_wrapper(cls, name, owner=OWNER, replaced=None)  # replaced since: rehook
+            _wrap.add_wrapper(cls, name, functools.partial(hook, cls), owner=OWNER, doc=doc)
 
 
 def unpatch_class(cls: type) -> None:
     """Restores what :func:`patch_class` replaced."""
     with _lock:
         for name in ("state_dict", "load_state_dict"):
-            current = cls.__dict__.get(name)
-            if current is not None and hasattr(current, MARK):
-                setattr(cls, name, getattr(current, MARK))
+            _wrap.remove_wrapper(cls, name, owner=OWNER, replaced=None)
 
 
 def is_patched(cls: type) -> bool:
-    return hasattr(cls.__dict__.get("state_dict"), MARK)
+    wrapper = _wrap.current(cls, "state_dict")
+    return wrapper is not None and wrapper.owner == OWNER
 
 
 def _te_class() -> type:

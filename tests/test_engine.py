@@ -12,6 +12,7 @@ from te_ckpt_placement import (
     Placement,
     _pool,
     _ring,
+    _wrap,
     engine,
     export_placement,
     pinned_pool_bytes,
@@ -153,7 +154,7 @@ def test_optimizer_default_placement_and_active_policy_wins() -> None:
     opt = make_optimizer(model_params(torch.float32), moments=torch.float32)
     train(opt)
     live = live_storages(opt)
-    original = getattr(StandInFusedAdam.__dict__["state_dict"], te_hooks.MARK)
+    original = _wrap.original(StandInFusedAdam, "state_dict")
 
     def export() -> dict:
         # What te_ckpt_placement.FusedAdam.state_dict does with its state_dict_placement.

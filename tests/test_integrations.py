@@ -200,7 +200,7 @@ def test_placed_instance_survives_pickling() -> None:
     copy = pickle.loads(pickle.dumps(saver))
     assert placed_methods(copy) == ("save", "load")
     assert copy.save(2) == (2, Placement(device="cpu", conversion="device"))
-    assert vars(copy)["save"].obj is copy  # bound to the copy, not the original
+    assert vars(copy)["save"].target is copy  # bound to the copy, not the original
     assert unplace_methods(copy)
     assert copy.save(3) == (3, None)
     assert saver.save(4) == (4, Placement(device="cpu", conversion="device"))
@@ -655,7 +655,7 @@ def one_rank_group(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 @pytest.mark.usefixtures("one_rank_group")
 def test_load_full_equals_torchs_full_state_load(tmp_path: Path) -> None:
     # accelerate's FULL_STATE_DICT resume is torch's set_optimizer_state_dict(full_state_dict,
-    # broadcast_from_rank0); _resume.load_full must give the optimizer exactly what that gives,
+    # broadcast_from_rank0); _fsdp2_load.load_full must give the optimizer exactly what that gives,
     # hyperparameters and their types included (torch hands back a group's tuples as lists),
     # with saved groups matched by parameter FQN, a key the checkpoint lacks kept from the
     # optimizer, one the checkpoint adds taken.
@@ -665,7 +665,7 @@ def test_load_full_equals_torchs_full_state_load(tmp_path: Path) -> None:
         set_optimizer_state_dict,
     )
 
-    from te_ckpt_placement.integrations import _resume
+    from te_ckpt_placement.integrations import _fsdp2_load
 
     full_options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     model, optimizer = _two_group_adam(seed=0)
@@ -685,8 +685,8 @@ def test_load_full_equals_torchs_full_state_load(tmp_path: Path) -> None:
         model, reference, torch.load(path, weights_only=True), options=full_options
     )
     model, ours = _two_group_adam(seed=1)
-    with _resume.host_group() as group:
-        assert _resume.load_full(model, ours, str(path), full_options, group)
+    with _fsdp2_load.host_group() as group:
+        assert _fsdp2_load.load_full(model, ours, str(path), full_options, group)
     assert _loaded(ours) == _loaded(reference)
     assert isinstance(reference.param_groups[0]["betas"], list)  # what makes this test bite
 
@@ -695,16 +695,16 @@ def test_load_full_equals_torchs_full_state_load(tmp_path: Path) -> None:
     bad["state"]["1.weight"]["exp_avg"] = torch.zeros(3, 3)
     torch.save(bad, path)
     before = _loaded(ours)
-    with _resume.host_group() as group:
+    with _fsdp2_load.host_group() as group:
         with pytest.raises(ValueError, match=r"'exp_avg' of 1\.weight has shape \(3, 3\)"):
-            _resume.load_full(model, ours, str(path), full_options, group)
+            _fsdp2_load.load_full(model, ours, str(path), full_options, group)
     assert _loaded(ours) == before
 
 
 @pytest.mark.usefixtures("one_rank_group")
 def test_load_sharded_equals_accelerates_sharded_load(tmp_path: Path) -> None:
     # accelerate's SHARDED_STATE_DICT resume (load_fsdp_optimizer): a template, dcp.load, then
-    # set_optimizer_state_dict. _resume.load_sharded runs the same calls with its collectives on
+    # set_optimizer_state_dict. _fsdp2_load.load_sharded runs the same calls with its collectives on
     # the host group, and no dist.barrier (which allocates on the group's bound device).
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
@@ -713,7 +713,7 @@ def test_load_sharded_equals_accelerates_sharded_load(tmp_path: Path) -> None:
         set_optimizer_state_dict,
     )
 
-    from te_ckpt_placement.integrations import _resume
+    from te_ckpt_placement.integrations import _fsdp2_load
 
     options = StateDictOptions()
     model, optimizer = _two_group_adam(seed=0)
@@ -728,8 +728,8 @@ def test_load_sharded_equals_accelerates_sharded_load(tmp_path: Path) -> None:
     dcp.load(template, checkpoint_id=path)
     set_optimizer_state_dict(model, reference, template["optimizer"], options=options)
     model, ours = _two_group_adam(seed=1)
-    with _resume.host_group() as group:
-        _resume.load_sharded(model, ours, path, options, group)
+    with _fsdp2_load.host_group() as group:
+        _fsdp2_load.load_sharded(model, ours, path, options, group)
     assert _loaded(ours) == _loaded(reference)
 
 
@@ -738,7 +738,7 @@ def _full_load_rank(rank: int, port: int, path: str, fail: str, out: str) -> Non
     import torch.distributed as dist
     import torch.distributed.checkpoint.state_dict as sd
 
-    from te_ckpt_placement.integrations import _resume
+    from te_ckpt_placement.integrations import _fsdp2_load, _resume
 
     from .support.distributed import init_group
 
@@ -765,8 +765,8 @@ def _full_load_rank(rank: int, port: int, path: str, fail: str, out: str) -> Non
     options = sd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     error: BaseException | None = None
     try:
-        with _resume.host_group() as group:
-            _resume.load_full(model, optimizer, path, options, group)
+        with _fsdp2_load.host_group() as group:
+            _fsdp2_load.load_full(model, optimizer, path, options, group)
     except BaseException as exc:
         error = exc
     notes = getattr(error, "__notes__", [])
@@ -816,10 +816,10 @@ def test_load_full_fails_on_every_rank_when_one_fails(tmp_path: Path, fail: str)
 
 
 def test_agree_groups_ranks_with_the_same_error() -> None:
-    from te_ckpt_placement.integrations import _resume
+    from te_ckpt_placement.integrations import _fsdp2_load
 
-    assert _resume._ranks([3]) == "rank 3"
-    assert _resume._ranks([0, 1, 2, 5, 7, 8]) == "ranks 0-2, 5, 7-8"
+    assert _fsdp2_load._ranks([3]) == "rank 3"
+    assert _fsdp2_load._ranks([0, 1, 2, 5, 7, 8]) == "ranks 0-2, 5, 7-8"
 
 
 # --- resume: a TE full-state load refuses what the streaming load refuses ---------------------
@@ -888,7 +888,7 @@ def test_load_full_refuses_what_te_load_refuses(tmp_path: Path, case: str) -> No
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     from te_ckpt_placement import export_placement
-    from te_ckpt_placement.integrations import _resume
+    from te_ckpt_placement.integrations import _fsdp2_load
 
     from .support.standin import make_optimizer, train
 
@@ -919,12 +919,12 @@ def test_load_full_refuses_what_te_load_refuses(tmp_path: Path, case: str) -> No
                 re.sub(r"parameter (\d)", lambda m: f"parameter {FQNS[int(m[1])]}", str(exc))
             )
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        with _resume.host_group() as group:
+        with _fsdp2_load.host_group() as group:
             if refused:
                 with pytest.raises(ValueError) as caught:
-                    _resume.load_full(model, ours, str(path), options, group)
+                    _fsdp2_load.load_full(model, ours, str(path), options, group)
             else:
-                assert _resume.load_full(model, ours, str(path), options, group)
+                assert _fsdp2_load.load_full(model, ours, str(path), options, group)
     if refused:
         assert str(caught.value) == refused[0]
         assert _same_states(_states_by_position(ours), before)
@@ -941,7 +941,7 @@ def _te_full_load_rank(rank: int, port: int, out: str, cases: dict[str, Any]) ->
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     from te_ckpt_placement import export_placement
-    from te_ckpt_placement.integrations import _resume
+    from te_ckpt_placement.integrations import _fsdp2_load, _resume
 
     from .support.distributed import fully_sharded, init_gloo_mesh
     from .support.standin import make_optimizer, train
@@ -960,8 +960,8 @@ def _te_full_load_rank(rank: int, port: int, out: str, cases: dict[str, Any]) ->
         before = _states_by_position(optimizer)
         error: BaseException | None = None
         try:
-            with export_placement("cpu"), _resume.host_group() as group:
-                _resume.load_full(model, optimizer, path, options, group)
+            with export_placement("cpu"), _fsdp2_load.host_group() as group:
+                _fsdp2_load.load_full(model, optimizer, path, options, group)
         except Exception as exc:
             error = exc
         results[case] = {
@@ -1060,7 +1060,7 @@ def _stuck_peer_rank(rank: int, port: int, path: str, out: str) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint.state_dict as sd
 
-    from te_ckpt_placement.integrations import _resume
+    from te_ckpt_placement.integrations import _fsdp2_load
 
     from .support.distributed import init_group
 
@@ -1071,12 +1071,12 @@ def _stuck_peer_rank(rank: int, port: int, path: str, out: str) -> None:
     model, optimizer = _two_group_adam(seed=1)
     options = sd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     error: BaseException | None = None
-    with _resume.host_group() as group:
+    with _fsdp2_load.host_group() as group:
         if rank == 1:
             time.sleep(STALL_S)
         start = time.monotonic()
         try:
-            _resume.load_full(model, optimizer, path, options, group)
+            _fsdp2_load.load_full(model, optimizer, path, options, group)
         except Exception as exc:
             error = exc
         elapsed = time.monotonic() - start

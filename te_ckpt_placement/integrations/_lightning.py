@@ -9,12 +9,13 @@ package's ``Callback``. Placing a Fabric strategy imports that strategy's own pa
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import inspect
 import os
-from collections.abc import Iterator
 from typing import Any, ClassVar
 
+from .. import _wrap
 from ..policy import Placement, as_placement
 from . import _resume
 from ._methods import (
@@ -38,6 +39,7 @@ __all__ = [
     "STRATEGY_METHODS",
     "TRAINER_METHODS",
     "FrameworkMethodError",
+    "callback_class",
     "PlacementCallbackLogic",
     "PlacementStrategyMixin",
     "place_strategy",
@@ -78,34 +80,29 @@ def _stock_torch_io(strategy: Any) -> Any:
     return None
 
 
-@contextlib.contextmanager
-def _reading_to_host(io: Any, *, mmap: bool) -> Iterator[None]:
+def _host_load(
+    mmap: bool,
+    io: Any,
+    stock: Any,
+    path: Any,
+    map_location: Any = None,
+    weights_only: bool | None = None,
+) -> Any:
+    if map_location is not None:  # a caller's explicit choice
+        return stock(path, map_location=map_location, weights_only=weights_only)
+    if isinstance(path, (str, os.PathLike)) and os.path.isfile(path):
+        return _resume.host_load(path, mmap=mmap, weights_only=weights_only)
+    return stock(path, map_location="cpu", weights_only=weights_only)
+
+
+def _reading_to_host(io: Any, *, mmap: bool) -> contextlib.AbstractContextManager[Any]:
     """While open, ``io.load_checkpoint`` reads into host memory (``map_location="cpu"``).
 
     Lightning's ``TorchCheckpointIO`` keeps every tensor on the device it was saved from, so a
     checkpoint written from GPU tensors comes back onto the GPU and stays there until the
     Trainer's ``resume_end``. A local file is memory-mapped when ``mmap`` is set.
     """
-    stock = io.load_checkpoint
-    previous = vars(io).get("load_checkpoint")
-
-    def load_checkpoint(
-        path: Any, map_location: Any = None, weights_only: bool | None = None
-    ) -> Any:
-        if map_location is not None:  # a caller's explicit choice
-            return stock(path, map_location=map_location, weights_only=weights_only)
-        if isinstance(path, (str, os.PathLike)) and os.path.isfile(path):
-            return _resume.host_load(path, mmap=mmap, weights_only=weights_only)
-        return stock(path, map_location="cpu", weights_only=weights_only)
-
-    io.load_checkpoint = load_checkpoint
-    try:
-        yield
-    finally:
-        if previous is None:
-            del io.load_checkpoint
-        else:
-            io.load_checkpoint = previous
+    return _wrap.wrapping(io, "load_checkpoint", functools.partial(_host_load, mmap))
 
 
 def _fabric_state(original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -316,6 +313,38 @@ class PlacementCallbackLogic:
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if methods_owner(trainer.strategy) is self:
             unplace_methods(trainer.strategy)
+
+
+_CALLBACK_DOC = """\
+    Optimizer exports and loads of the Trainer's strategy run inside ``export_placement``.
+
+    A ``{base}`` for a ``{trainer}``. Installed in ``setup``, removed in ``teardown`` (see
+    :class:`~te_ckpt_placement.integrations._lightning.PlacementCallbackLogic` for the exact
+    rules: idempotent, per strategy, restores exactly the original methods). The wrapped methods
+    are :data:`TRAINER_METHODS`; resume reads the checkpoint file into host memory. The callback
+    pickles with the Trainer (``ddp_spawn``).
+
+    Args:
+        placement: ``"cpu"`` (default) or a ``Placement``.
+
+    Raises:
+        ValueError: ``placement`` is not a valid device or ``Placement`` (at construction).
+        FrameworkMethodError: in ``setup``, when the installed Lightning's strategy lacks a
+            method the integration wraps; nothing is changed.
+
+    Example:
+        >>> trainer = Trainer(callbacks=[PlacementCallback()])  # doctest: +SKIP
+    """
+
+
+def callback_class(base: type, module: str) -> type:
+    """``PlacementCallback`` on ``base`` (the ``Callback`` of ``lightning`` or
+    ``pytorch_lightning``), as the class ``module.PlacementCallback`` (it pickles by that path)."""
+    package = base.__module__.split(".")[0]
+    doc = _CALLBACK_DOC.format(base=f"{package}.Callback", trainer=f"{package}.Trainer")
+    cls = type("PlacementCallback", (PlacementCallbackLogic, base), {"__doc__": doc})
+    cls.__module__ = module
+    return cls
 
 
 @placing(_ALL_METHODS)

@@ -21,13 +21,15 @@ other gives a ``RuntimeWarning``; both name the method and the installed framewo
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
+from .. import _wrap
 from ..policy import Placement, as_placement, export_placement
 
 __all__ = [
@@ -48,10 +50,12 @@ __all__ = [
     "unplace_methods",
 ]
 
-# Where the record of one object's wrappers lives, in that object's __dict__.
+# Where one object's placement record lives, in that object's __dict__ (its wrappers are
+# te_ckpt_placement._wrap's, of owner OWNER).
 RECORD_ATTR = "_te_ckpt_placement_methods"
-# Marks a framework class method replaced by hook_class_method; holds the original.
-HOOK_MARK = "__te_ckpt_placement_hooked__"
+OWNER = "te_ckpt_placement.integrations"
+# The wrapper place_methods puts on an instance (kept under this name until the rename package).
+PlacedMethod = _wrap.Wrapper
 
 PlacementLike = Placement | str | torch.device | None
 
@@ -194,20 +198,8 @@ def _mixin_placement(obj: Any) -> Placement:
     return as_placement(obj.optimizer_export_placement)
 
 
-def _override(owner: type, method: Method) -> Callable[..., Any]:
-    name = method.name
-
-    def placed(self: Any, *args: Any, **kwargs: Any) -> Any:
-        original = getattr(super(owner, self), name)
-        return call_placed(self, method, _mixin_placement(self), original, args, kwargs)
-
-    placed.__name__ = name
-    placed.__qualname__ = f"{owner.__qualname__}.{name}"
-    placed.__module__ = owner.__module__
-    placed.__doc__ = (
-        f"``{name}`` ({method.why}) inside ``export_placement(self.optimizer_export_placement)``."
-    )
-    return placed
+def _mixin_around(method: Method, obj: Any, original: Any, *args: Any, **kwargs: Any) -> Any:
+    return call_placed(obj, method, _mixin_placement(obj), original, args, kwargs)
 
 
 def placing(methods: Iterable[Method]) -> Callable[[_C], _C]:
@@ -222,7 +214,12 @@ def placing(methods: Iterable[Method]) -> Callable[[_C], _C]:
         for method in specs:
             if method.name in vars(cls):
                 raise TypeError(f"{cls.__qualname__} already defines {method.name}")
-            setattr(cls, method.name, _override(cls, method))
+            doc = (
+                f"``{method.name}`` ({method.why}) inside "
+                "``export_placement(self.optimizer_export_placement)``."
+            )
+            around = functools.partial(_mixin_around, method)
+            _wrap.add_wrapper(cls, method.name, around, owner=OWNER, doc=doc)
         cls.__placed_methods__ = specs  # type: ignore[attr-defined]
         return cls
 
@@ -237,51 +234,13 @@ class _Record:
     placement: Placement
     # Who placed the methods (a callback that must remove only what it installed), or None.
     owner: object = None
-    wrappers: dict[str, PlacedMethod] = field(default_factory=dict)
 
 
-def _class_attribute(obj: object, name: str) -> Any:
-    """``obj.name`` as the class defines it, ignoring the instance's own attributes."""
-    for klass in type(obj).__mro__:
-        if name in vars(klass):
-            attr = vars(klass)[name]
-            get = getattr(type(attr), "__get__", None)
-            return get(attr, obj, type(obj)) if get is not None else attr
-    raise AttributeError(f"{type(obj).__qualname__} has no attribute {name!r}")
-
-
-class PlacedMethod:
-    """One instance's method running under its placement record: what :func:`place_methods` puts
-    in the instance's ``__dict__``.
-
-    It calls the class's method (looked up at call time) or the instance attribute it replaced.
-    A plain object rather than a closure, so that pickling the instance (Lightning's
-    ``ddp_spawn``, Fabric's spawn launcher) carries the wrappers and the placement along.
-    """
-
-    __slots__ = ("method", "obj", "previous", "record")
-
-    def __init__(self, obj: object, method: Method, previous: Any, record: _Record) -> None:
-        self.obj = obj
-        self.method = method
-        self.previous = previous  # the instance attribute replaced, or None
-        self.record = record
-
-    @property
-    def __name__(self) -> str:
-        return self.method.name
-
-    def __repr__(self) -> str:
-        return (
-            f"<placed {type(self.obj).__qualname__}.{self.method.name} "
-            f"under {self.record.placement!r}>"
-        )
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        original = self.previous
-        if original is None:
-            original = _class_attribute(self.obj, self.method.name)
-        return call_placed(self.obj, self.method, self.record.placement, original, args, kwargs)
+def _placed_around(
+    method: Method, record: _Record, obj: Any, original: Any, *args: Any, **kwargs: Any
+) -> Any:
+    # Module-level, in a functools.partial: the wrapper pickles with the instance.
+    return call_placed(obj, method, record.placement, original, args, kwargs)
 
 
 def _record(obj: object) -> _Record | None:
@@ -291,8 +250,7 @@ def _record(obj: object) -> _Record | None:
 
 def placed_methods(obj: object) -> tuple[str, ...]:
     """The names of ``obj``'s methods that currently run under the policy (empty if none)."""
-    record = _record(obj)
-    return tuple(record.wrappers) if record is not None else ()
+    return tuple(_wrap.wrappers(obj, owner=OWNER)) if _record(obj) is not None else ()
 
 
 def methods_owner(obj: object) -> object:
@@ -344,14 +302,10 @@ def place_methods(
         vars(obj)[RECORD_ATTR] = record
     else:
         record.placement = resolved
-    attrs = vars(obj)
     for method in present:
-        if method.name in record.wrappers:
-            continue
-        wrapper = PlacedMethod(obj, method, attrs.get(method.name), record)
-        setattr(obj, method.name, wrapper)
-        record.wrappers[method.name] = wrapper
-    return tuple(record.wrappers)
+        around = functools.partial(_placed_around, method, record)
+        _wrap.add_wrapper(obj, method.name, around, owner=OWNER)  # once per name
+    return placed_methods(obj)
 
 
 def unplace_methods(obj: object) -> bool:
@@ -360,28 +314,25 @@ def unplace_methods(obj: object) -> bool:
     A wrapper that something else has replaced since is left alone (with a warning): removing it
     would drop the other party's wrapper too.
     """
-    record = _record(obj)
-    if record is None:
+    if _record(obj) is None:
         return False
-    attrs = vars(obj)
-    for name, wrapper in record.wrappers.items():
-        if attrs.get(name) is not wrapper:
-            warnings.warn(
-                f"te_ckpt_placement: {type(obj).__qualname__}.{name} was replaced after the "
-                "placement wrapper was installed; leaving the replacement in place",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            continue
-        if wrapper.previous is None:
-            delattr(obj, name)
-        else:
-            setattr(obj, name, wrapper.previous)
-    del attrs[RECORD_ATTR]
+    _wrap.remove_wrapper(obj, owner=OWNER, stacklevel=3)
+    del vars(obj)[RECORD_ATTR]
     return True
 
 
 # --- a framework class's own method -------------------------------------------------------------
+
+
+def _hooked_around(
+    method: Method,
+    placement: Callable[[Any], Placement | None],
+    obj: Any,
+    original: Any,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    return call_placed(obj, method, placement(obj), original, args, kwargs)
 
 
 def hook_class_method(
@@ -391,21 +342,16 @@ def hook_class_method(
 
     For a framework method that no strategy or trainer method encloses. Idempotent; returns
     False when ``cls`` was already hooked. ``cls`` must define the method itself (a
-    :class:`FrameworkMethodError` from :func:`check_methods` otherwise).
+    :class:`FrameworkMethodError` from :func:`check_methods` otherwise). ``_wrap.remove_wrapper(cls,
+    method.name, owner=OWNER)`` undoes it.
     """
     original = vars(cls).get(method.name)
     if original is None or not callable(original):
         raise AttributeError(f"{cls.__qualname__} does not define {method.name}")
-    if hasattr(original, HOOK_MARK):
+    hooked = _wrap.current(cls, method.name)
+    if hooked is not None and hooked.owner == OWNER:
         return False
-
-    def hooked(self: Any, *args: Any, **kwargs: Any) -> Any:
-        bound = original.__get__(self, type(self))
-        return call_placed(self, method, placement(self), bound, args, kwargs)
-
-    hooked.__name__ = method.name
-    hooked.__qualname__ = f"{cls.__qualname__}.{method.name}"
-    hooked.__doc__ = original.__doc__
-    setattr(hooked, HOOK_MARK, original)
-    setattr(cls, method.name, hooked)
+    _wrap.remove_wrapper(cls, method.name, owner=OWNER, replaced=None)  # replaced since: rehook
+    around = functools.partial(_hooked_around, method, placement)
+    _wrap.add_wrapper(cls, method.name, around, owner=OWNER)
     return True

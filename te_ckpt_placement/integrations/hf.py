@@ -60,7 +60,7 @@ import torch
 import transformers.trainer as _trainer_module
 from transformers import Trainer
 
-from . import _resume
+from . import _fsdp2_load, _resume
 from ._methods import (
     Framework,
     FrameworkMethodError,
@@ -131,10 +131,10 @@ def _resume_fsdp2(trainer: Any, plugin: Any, checkpoint: str, original: Any) -> 
         broadcast_from_rank0=getattr(config, "rank0_only", False),
     )
     model, optimizer = trainer.model, trainer.optimizer
-    with _resume.initialized([optimizer]), _resume.host_group() as group:
+    with _resume.initialized([optimizer]), _fsdp2_load.host_group() as group:
         if full:
             path = os.path.join(checkpoint, FSDP_OPTIMIZER_FILE)
-            if not _resume.load_full(model, optimizer, path, options, group):
+            if not _fsdp2_load.load_full(model, optimizer, path, options, group):
                 warnings.warn(
                     f"te_ckpt_placement: some rank cannot read {path}; resuming through "
                     "accelerate's load, which broadcasts each whole optimizer state from "
@@ -146,7 +146,7 @@ def _resume_fsdp2(trainer: Any, plugin: Any, checkpoint: str, original: Any) -> 
                 original(checkpoint)
                 return
         else:
-            _resume.load_sharded(
+            _fsdp2_load.load_sharded(
                 model, optimizer, os.path.join(checkpoint, FSDP_OPTIMIZER_DIR), options, group
             )
     _load_scheduler(trainer, checkpoint)

@@ -36,8 +36,8 @@ from ._lightning import (
     STRATEGY_METHODS,
     TRAINER_METHODS,
     FrameworkMethodError,
-    PlacementCallbackLogic,
     PlacementStrategyMixin,
+    callback_class,
     place_strategy,
     strategy_placement,
     unplace_strategy,
@@ -55,23 +55,4 @@ __all__ = [
     "unplace_strategy",
 ]
 
-
-class PlacementCallback(PlacementCallbackLogic, Callback):
-    """Optimizer exports and loads of the Trainer's strategy run inside ``export_placement``.
-
-    Installed in ``setup``, removed in ``teardown`` (see :class:`PlacementCallbackLogic` for
-    the exact rules: idempotent, per strategy, restores exactly the original methods). The
-    wrapped methods are :data:`TRAINER_METHODS`; resume reads the checkpoint file into host
-    memory. The callback pickles with the Trainer (``ddp_spawn``).
-
-    Args:
-        placement: ``"cpu"`` (default) or a ``Placement``.
-
-    Raises:
-        ValueError: ``placement`` is not a valid device or ``Placement`` (at construction).
-        FrameworkMethodError: in ``setup``, when the installed Lightning's strategy lacks a
-            method the integration wraps; nothing is changed.
-
-    Example:
-        >>> trainer = Trainer(callbacks=[PlacementCallback()])  # doctest: +SKIP
-    """
+PlacementCallback = callback_class(Callback, __name__)

@@ -43,12 +43,10 @@ Megatron's ``DistributedOptimizer`` by the source of the methods this integratio
 from __future__ import annotations
 
 import contextvars
-import functools
 import hashlib
 import inspect
 import sys
 import textwrap
-import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -56,7 +54,7 @@ from typing import Any
 
 import torch
 
-from .. import engine, te_contract, te_load
+from .. import _wrap, engine, te_contract, te_load
 from ..policy import Placement, as_placement, current_placement
 from ._methods import PlacementLike, place_methods, unplace_methods
 
@@ -123,8 +121,10 @@ CHECKPOINT_METHODS = (
 
 # The instance methods whose behaviour changes inside a streaming policy.
 _BEHAVIOURS = ("state_dict", "load_state_dict", "_get_main_param_and_optimizer_states")
-RECORD_ATTR = "_te_ckpt_placement_megatron"
-_MISSING = object()
+# The owner of this integration's wrappers (te_ckpt_placement._wrap); the policy around the
+# checkpoint methods is _methods.place_methods'.
+OWNER = "megatron"
+_REPLACED = "place_optimizer"
 _verified: weakref.WeakSet[type] = weakref.WeakSet()
 
 # Inner TE optimizers (by id) whose state_dict() returns torch's Optimizer.state_dict in this
@@ -277,42 +277,46 @@ def _get_main_param_and_optimizer_states(
 
 
 _IMPLS: dict[str, Callable[..., Any]] = {
-    "state_dict": _state_dict,
     "load_state_dict": _load_state_dict,
     "_get_main_param_and_optimizer_states": _get_main_param_and_optimizer_states,
 }
 
 
+def _groups_only_state_dict(inner: Any, original: Callable[[], Any]) -> Any:
+    if id(inner) in _GROUPS_ONLY.get():
+        # TE's state_dict is this plus a conversion of "state" (TE 2.20.2 fused_adam.py
+        # L482-513), which DistributedOptimizer.state_dict drops (L866).
+        return torch.optim.Optimizer.state_dict(inner)
+    return original()
+
+
 def _divert_inner_state_dict(optimizer: Any, inner: Any) -> None:
     """Gives ``inner`` (once) a ``state_dict`` that is torch's while ``_GROUPS_ONLY`` names it."""
-    record: _Record = vars(optimizer)[RECORD_ATTR]
-    if any(ref() is inner for ref, _, _ in record.inners):
+    diverted = _diverted(optimizer)
+    if any(ref() is inner for ref in diverted.inners):
         return
-    previous = vars(inner).get("state_dict", _MISSING)
-
-    def state_dict() -> Any:
-        if id(inner) in _GROUPS_ONLY.get():
-            # TE's state_dict is this plus a conversion of "state" (TE 2.20.2 fused_adam.py
-            # L482-513), which DistributedOptimizer.state_dict drops (L866).
-            return torch.optim.Optimizer.state_dict(inner)
-        if previous is not _MISSING:
-            return previous()  # type: ignore[operator]
-        return type(inner).state_dict(inner)
-
-    vars(inner)["state_dict"] = state_dict
-    record.inners.append((weakref.ref(inner), state_dict, previous))
+    _wrap.add_wrapper(inner, "state_dict", _groups_only_state_dict, owner=OWNER)
+    diverted.inners.append(weakref.ref(inner))
 
 
 # --- placing ----------------------------------------------------------------------------------
 
 
 @dataclass
-class _Record:
-    previous: dict[str, Any] = field(default_factory=dict)
-    wrappers: dict[str, Callable[..., Any]] = field(default_factory=dict)
-    # Inner optimizers given a diverting state_dict: (inner, that state_dict, what the inner's
-    # __dict__ held before).
-    inners: list[tuple[weakref.ref[Any], Any, Any]] = field(default_factory=list)
+class _Diverted:
+    """A placed optimizer's ``state_dict`` behaviour, with the inner optimizers it has given a
+    diverting ``state_dict`` (so that unplacing restores exactly those)."""
+
+    inners: list[weakref.ref[Any]] = field(default_factory=list)
+
+    def __call__(self, optimizer: Any, original: Callable[[], Any]) -> Any:
+        return _state_dict(optimizer, original)
+
+
+def _diverted(optimizer: Any) -> _Diverted:
+    diverted = _wrap.wrappers(optimizer, owner=OWNER)["state_dict"].around
+    assert isinstance(diverted, _Diverted)
+    return diverted
 
 
 def _distributed_optimizers(optimizer: object) -> list[Any]:
@@ -365,33 +369,17 @@ def place_optimizer(optimizer: Any, placement: PlacementLike = "cpu") -> Any:
 
 
 def _place(optimizer: Any, placement: Placement) -> None:
-    attrs = vars(optimizer)
-    if RECORD_ATTR not in attrs:
-        record = _Record()
+    if not _wrap.wrappers(optimizer, owner=OWNER):
         for name in _BEHAVIOURS:
-            original = getattr(optimizer, name)
-            record.previous[name] = attrs.get(name, _MISSING)
-            wrapper = _behaviour(optimizer, original, _IMPLS[name])
-            attrs[name] = wrapper
-            record.wrappers[name] = wrapper
-        attrs[RECORD_ATTR] = record
+            impl = _Diverted() if name == "state_dict" else _IMPLS[name]
+            _wrap.add_wrapper(optimizer, name, impl, owner=OWNER)
     # Outermost: the policy around each checkpoint method (the behaviours above included).
     place_methods(optimizer, CHECKPOINT_METHODS, placement)
 
 
-def _behaviour(
-    optimizer: Any, original: Callable[..., Any], impl: Callable[..., Any]
-) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def method(*args: Any, **kwargs: Any) -> Any:
-        return impl(optimizer, original, *args, **kwargs)
-
-    return method
-
-
 def placed_optimizers(optimizer: object) -> tuple[Any, ...]:
     """The ``DistributedOptimizer`` instances in ``optimizer`` that are placed now."""
-    return tuple(m for m in _members(optimizer) if RECORD_ATTR in vars(m))
+    return tuple(m for m in _members(optimizer) if _wrap.wrappers(m, owner=OWNER))
 
 
 def unplace_optimizer(optimizer: object) -> bool:
@@ -402,27 +390,12 @@ def unplace_optimizer(optimizer: object) -> bool:
     placed = placed_optimizers(optimizer)
     for member in placed:
         unplace_methods(member)
-        attrs = vars(member)
-        record: _Record = attrs.pop(RECORD_ATTR)
-        for name, wrapper in record.wrappers.items():
-            _restore(member, attrs, name, wrapper, record.previous[name])
-        for ref, ours, previous in record.inners:
+        diverted = _diverted(member)
+        _wrap.remove_wrapper(member, owner=OWNER, replaced=_REPLACED, stacklevel=2)
+        for ref in diverted.inners:
             inner = ref()
             if inner is not None:
-                _restore(inner, vars(inner), "state_dict", ours, previous)
+                _wrap.remove_wrapper(
+                    inner, "state_dict", owner=OWNER, replaced=_REPLACED, stacklevel=2
+                )
     return bool(placed)
-
-
-def _restore(obj: object, attrs: dict[str, Any], name: str, ours: Any, previous: Any) -> None:
-    if attrs.get(name) is not ours:
-        warnings.warn(
-            f"te_ckpt_placement: {type(obj).__qualname__}.{name} was replaced after "
-            "place_optimizer; leaving the replacement in place",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return
-    if previous is _MISSING:
-        del attrs[name]
-    else:
-        attrs[name] = previous

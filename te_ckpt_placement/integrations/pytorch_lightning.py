@@ -15,8 +15,8 @@ from ._lightning import (
     STRATEGY_METHODS,
     TRAINER_METHODS,
     FrameworkMethodError,
-    PlacementCallbackLogic,
     PlacementStrategyMixin,
+    callback_class,
     place_strategy,
     strategy_placement,
     unplace_strategy,
@@ -34,16 +34,4 @@ __all__ = [
     "unplace_strategy",
 ]
 
-
-class PlacementCallback(PlacementCallbackLogic, Callback):
-    """The ``pytorch_lightning`` build of ``integrations.lightning.PlacementCallback``: the same
-    behaviour, for a ``pytorch_lightning.Trainer``.
-
-    Args:
-        placement: ``"cpu"`` (default) or a ``Placement``.
-
-    Raises:
-        ValueError: ``placement`` is not a valid device or ``Placement`` (at construction).
-        FrameworkMethodError: in ``setup``, when the strategy lacks a method the integration
-            wraps.
-    """
+PlacementCallback = callback_class(Callback, __name__)

@@ -35,6 +35,7 @@ import torch
 import te_ckpt_placement
 from te_ckpt_placement import (
     Placement,
+    _wrap,
     current_placement,
     export_placement,
     install,
@@ -60,7 +61,6 @@ from .standin import train
 SLOW_IMPORT_S = 1.0
 DEADLOCK_S = 15
 TE_MODULE = "transformer_engine.pytorch.optimizers.fused_adam"
-MARK = te_hooks.MARK
 PASSED = "scenario passed: "
 
 
@@ -141,7 +141,12 @@ def te_export(sd: dict[str, Any], live: set[int]) -> bool:
 
 def hooked_once(cls: type, originals: dict[str, Any]) -> bool:
     """Both methods are hooks, each wrapping TE's own function: one layer, not more."""
-    return all(getattr(cls.__dict__.get(n), MARK, None) is f for n, f in originals.items())
+    return all(_wrap.original(cls, n) is f for n, f in originals.items())
+
+
+def is_hook(f: Any) -> bool:
+    """``f`` is a function that te_ckpt_placement._wrap installed (it calls a Wrapper)."""
+    return any(isinstance(c.cell_contents, _wrap.Wrapper) for c in f.__closure__ or ())
 
 
 def unhooked(cls: type, originals: dict[str, Any]) -> bool:
@@ -365,7 +370,7 @@ def instance_contract_error_leaves_state_unchanged() -> None:
 def install_idempotent_uninstall_restores_and_warns() -> None:
     from transformer_engine.pytorch.optimizers.fused_adam import ORIGINALS, FusedAdam
 
-    assert not any(hasattr(f, MARK) for f in ORIGINALS.values())
+    assert not any(is_hook(f) for f in ORIGINALS.values())
     assert is_installed()  # hooked by the policies of the earlier scenarios
     install()
     assert hooked_once(FusedAdam, ORIGINALS)
