@@ -9,7 +9,14 @@ from typing import Any
 import pytest
 import torch
 
-from te_ckpt_placement import Placement, current_placement, engine, export_placement, te_load
+from te_ckpt_placement import (
+    Placement,
+    _te_load_write,
+    current_placement,
+    engine,
+    export_placement,
+    te_load,
+)
 
 from .support.faults import FAULTS, assert_view_equal, nth_call_raises, optimizer_view
 from .support.helpers import assert_same_export, assert_snapshot_equal, snapshot
@@ -59,7 +66,7 @@ def test_export_fault_at_kth_state(
 # Where a load can fail: before a state is written, between chunks of a state's copy (the
 # chunks are small, so states span several), or in TE's scaling of an FP16/FP8 state.
 LOAD_FAULTS = {
-    "state": (te_load, "_write_one"),
+    "state": (_te_load_write, "_write_one"),
     "chunk": (engine._Stager, "copy_async"),
     "scale": (StandInFusedAdam, "set_scaled_state"),
 }
@@ -196,9 +203,9 @@ def test_load_without_rollback_keeps_no_host_copy(monkeypatch: pytest.MonkeyPatc
     with export_placement("cpu"):
         checkpoint = source.state_dict()
     kept: list[Any] = []
-    real_keep = te_load._Rollback.keep
+    real_keep = _te_load_write._Rollback.keep
     monkeypatch.setattr(
-        te_load._Rollback, "keep", lambda self, t: kept.append(t) or real_keep(self, t)
+        _te_load_write._Rollback, "keep", lambda self, t: kept.append(t) or real_keep(self, t)
     )
     with export_placement("cpu"):
         target.load_state_dict(checkpoint)

@@ -22,7 +22,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import te_ckpt_placement
-from te_ckpt_placement import engine, export_placement, last_report, reports, te_load
+from te_ckpt_placement import (
+    _te_load_write,
+    engine,
+    export_placement,
+    last_report,
+    reports,
+    te_load,
+)
 
 from .support.helpers import aliases_live, exported_tensors, live_storages
 from .support.standin import StandInFusedAdam, make_optimizer, train
@@ -481,7 +488,7 @@ def test_load_failing_part_way_reports_what_was_written(monkeypatch: pytest.Monk
     opt = build(torch.bfloat16, "fp32")
     with export_placement("cpu"):
         checkpoint = opt.state_dict()
-    write = te_load._write_one
+    write = _te_load_write._write_one
     calls = 0
 
     def fourth_fails(*args: Any, **kwargs: Any) -> None:
@@ -491,7 +498,7 @@ def test_load_failing_part_way_reports_what_was_written(monkeypatch: pytest.Monk
             raise RuntimeError("injected")
         write(*args, **kwargs)
 
-    monkeypatch.setattr(te_load, "_write_one", fourth_fails)
+    monkeypatch.setattr(_te_load_write, "_write_one", fourth_fails)
     with pytest.raises(te_load.PartialLoadError), export_placement("cpu"):
         opt.load_state_dict(checkpoint)
     report = last_report()
