@@ -25,6 +25,7 @@ Importing this module does not import TE.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,12 +36,17 @@ from .policy import Placement
 
 __all__ = [
     "STATE_NAMES",
+    "Contract",
     "ContractError",
+    "StateFacts",
     "check_contract",
+    "check_live",
+    "check_saved",
     "describe_state",
     "has_contract",
     "is_remainder",
     "local_of",
+    "state_facts",
     "stored_dtype",
     "stream_state_dict",
     "te_version",
@@ -148,6 +154,139 @@ def raw_storage(optimizer: Any, param: torch.Tensor, name: str, value: Any) -> A
     return local
 
 
+@dataclass(frozen=True, slots=True)
+class StateFacts:
+    """What TE's contract says about one state of one parameter (TE L203-219, L327-356).
+
+    Attributes:
+        name: The state's name (one of :data:`STATE_NAMES`).
+        te_dtype: ``name_to_dtype_map[name]``; ``torch.uint8`` means FP8.
+        stored: The dtype of the raw local storage (:func:`stored_dtype`): int16 for remainders.
+        remainder: The FP32 master is kept as int16 remainders of a BF16 param.
+        local_shape: The shape of the parameter's local tensor, which the state has.
+    """
+
+    name: str
+    te_dtype: torch.dtype
+    stored: torch.dtype
+    remainder: bool
+    local_shape: tuple[int, ...]
+
+    @property
+    def scaled(self) -> bool:
+        """FP16 or FP8: TE scales the state by the absmax of the whole local state (L276-310)."""
+        return self.te_dtype in (torch.float16, torch.uint8)
+
+    def raw(self, value: Any) -> Any:
+        """:func:`raw_storage` of ``value`` for this state."""
+        local = local_of(value)
+        return getattr(local, "_data", None) if self.te_dtype == torch.uint8 else local
+
+
+def state_facts(optimizer: Any, param: torch.Tensor, name: Any) -> StateFacts | None:
+    """The facts of state ``name`` of ``param``; None where ``name`` is no state TE keeps."""
+    te_dtype = optimizer.name_to_dtype_map.get(name)
+    if te_dtype is None:
+        return None
+    remainder = is_remainder(optimizer, param, name)
+    return StateFacts(
+        name=name,
+        te_dtype=te_dtype,
+        stored=torch.int16 if remainder else te_dtype,
+        remainder=remainder,
+        local_shape=tuple(local_of(param).shape),
+    )
+
+
+class Contract:
+    """TE's contract for one optimizer and one operation: checked once, each fact computed once.
+
+    Made by :meth:`of` at the start of an export, a load or a planner's part of a ``dcp.load``
+    and dropped at its end: states and ``_scales`` change between operations, so a Contract is
+    never kept on the optimizer.
+    """
+
+    __slots__ = ("_facts", "_position", "optimizer")
+
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer = optimizer
+        self._facts: dict[tuple[int, Any], tuple[torch.Tensor, StateFacts | None]] = {}
+        self._position: dict[int, int] | None = None
+
+    @classmethod
+    def of(cls, optimizer: Any) -> Contract:
+        """The contract of ``optimizer``; raises :class:`ContractError` naming what is missing."""
+        check_contract(optimizer)
+        return cls(optimizer)
+
+    def facts(self, param: torch.Tensor, name: Any) -> StateFacts | None:
+        """:func:`state_facts`, computed once per state of this operation."""
+        key = (id(param), name)
+        held = self._facts.get(key)
+        if held is None:
+            # The param is kept with its facts, so its id stays its own while the Contract lives.
+            held = self._facts[key] = (param, state_facts(self.optimizer, param, name))
+        return held[1]
+
+    def position(self, param: torch.Tensor) -> int | None:
+        """The parameter's position in ``param_groups`` order (its index in a state dict)."""
+        if self._position is None:
+            params = (p for g in self.optimizer.param_groups for p in g["params"])
+            self._position = {id(p): i for i, p in enumerate(params)}
+        return self._position.get(id(param))
+
+    def describe(
+        self, param: torch.Tensor, name: str, value: Any, placement: Placement, index: object
+    ) -> engine.StateSource:
+        """:func:`describe_state` with this operation's facts."""
+        return _describe(
+            self.optimizer, param, name, self.facts(param, name), value, placement, index
+        )
+
+
+def check_saved(facts: StateFacts, dtype: torch.dtype, *, metadata: bool = False) -> str | None:
+    """The one rule for a checkpoint value's dtype against the state's storage; None: it loads.
+
+    An int16 master remainder loads only into remainders and every other state only from a
+    floating-point value (a cast would load a remainder's integers as a master, or zero one).
+    Returns the problem in the load's words: of the value (``stored as``), or with ``metadata``
+    of a DCP checkpoint's metadata (``saved as``).
+    """
+    verb = "saved" if metadata else "stored"
+    if facts.remainder and dtype != torch.int16:
+        if metadata:
+            return (
+                f"saved as {dtype}, but this optimizer keeps int16 master remainders "
+                "(store_param_remainders=True); load with the setting it was saved with"
+            )
+        return (
+            f"stored as {dtype}, but this optimizer keeps int16 remainders "
+            "(store_param_remainders=True); load with the setting the checkpoint was saved with"
+        )
+    if not facts.remainder and not dtype.is_floating_point:
+        hint = (
+            " (an int16 master_param comes from store_param_remainders=True)"
+            if dtype == torch.int16
+            else ""
+        )
+        return f"{verb} as {dtype}, but this optimizer keeps floating-point states{hint}"
+    return None
+
+
+def check_live(facts: StateFacts, stored: Any, *, shape: bool = True) -> str | None:
+    """The one rule for a live state's raw storage (:meth:`StateFacts.raw`); None: TE's own.
+
+    It must be a tensor of the stored dtype and (with ``shape``) of the local shape.
+    """
+    if not isinstance(stored, torch.Tensor):
+        return f"expected a tensor, found {type(stored).__name__}"
+    if stored.dtype != facts.stored:
+        return f"stored as {stored.dtype}, expected {facts.stored}"
+    if shape and tuple(stored.shape) != facts.local_shape:
+        return f"of shape {tuple(stored.shape)}, expected {facts.local_shape}"
+    return None
+
+
 def _state_error(param_index: object, name: str, problem: str) -> ValueError:
     return ValueError(f"optimizer state {name!r} of parameter {param_index}: {problem}")
 
@@ -156,11 +295,24 @@ def describe_state(
     optimizer: Any, param: torch.Tensor, name: str, value: Any, placement: Placement, index: object
 ) -> engine.StateSource:
     """How TE's ``get_unscaled_state(param, name)`` would produce this state (TE L327-356)."""
-    dtype = optimizer.name_to_dtype_map.get(name)
-    if dtype is None:
+    facts = state_facts(optimizer, param, name)
+    return _describe(optimizer, param, name, facts, value, placement, index)
+
+
+def _describe(
+    optimizer: Any,
+    param: torch.Tensor,
+    name: str,
+    facts: StateFacts | None,
+    value: Any,
+    placement: Placement,
+    index: object,
+) -> engine.StateSource:
+    if facts is None:
         raise _state_error(
             index, name, f"TE FusedAdam exports only {', '.join(STATE_NAMES)}; remove other keys"
         )
+    dtype = facts.te_dtype
     local = local_of(value)
 
     def on_device() -> torch.Tensor:
@@ -194,9 +346,9 @@ def describe_state(
 
     if not isinstance(local, torch.Tensor):
         raise _state_error(index, name, f"expected a tensor, found {type(local).__name__}")
-    expected = stored_dtype(optimizer, param, name)
-    if local.dtype != expected:
-        raise _state_error(index, name, f"stored as {local.dtype}, expected {expected}")
+    problem = check_live(facts, local, shape=False)
+    if problem is not None:
+        raise _state_error(index, name, problem)
     if dtype == torch.float16:
         if placement.conversion == "device":
             return engine.StateSource(kind="device", on_device=on_device)
@@ -213,7 +365,7 @@ def describe_state(
 @reports.operation("export")
 def stream_state_dict(optimizer: Any, placement: Placement, owner: type) -> dict[str, Any]:
     """TE's ``state_dict`` (L482-513) with every state placed on the host as it is produced."""
-    check_contract(optimizer)
+    contract = Contract.of(optimizer)
     # The method TE's own state_dict calls as super() (torch's Optimizer.state_dict).
     state_dict = super(owner, optimizer).state_dict()  # type: ignore[arg-type]
     # Every state is described (and so validated) before the first copy: an export that cannot
@@ -223,7 +375,7 @@ def stream_state_dict(optimizer: Any, placement: Placement, owner: type) -> dict
             key,
             param,
             {
-                name: describe_state(optimizer, param, name, value, placement, key)
+                name: contract.describe(param, name, value, placement, key)
                 for name, value in stored.items()
             },
         )

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
-from te_ckpt_placement import _ring, export_placement, reports, te_load
+from te_ckpt_placement import _ring, _te_load_check, export_placement, reports
 from te_ckpt_placement.dcp import (
     PlacedOptimizerState,
     StreamingLoadPlanner,
@@ -392,14 +392,14 @@ def test_a_write_that_would_be_refused_stops_the_load_before_any_state_is_writte
     ours = trained(torch.float16, "remainder", seed=21)
     before, before_groups = by_position(ours.opt), hyperparams(ours.opt)
     last = ours.params()[-1]
-    check = te_load.check_value
+    check = _te_load_check.check  # the load's check of one value (te_load.check_value's)
 
-    def refuse(optimizer: Any, param: Any, index: Any, name: str, value: Any) -> None:
+    def refuse(facts: Any, param: Any, index: Any, name: str, value: Any) -> None:
         if param is last and name == "exp_avg_sq":
             raise ValueError("injected: TE's load refuses this value")
-        check(optimizer, param, index, name, value)
+        check(facts, param, index, name, value)
 
-    monkeypatch.setattr(te_load, "check_value", refuse)
+    monkeypatch.setattr(_te_load_check, "check", refuse)
     state = {"optim": ours.state()}
     planner = StreamingLoadPlanner(state["optim"])
     with pytest.raises(CheckpointException, match="injected") as info, no_template(ours.opt):

@@ -12,6 +12,7 @@ import torch
 from te_ckpt_placement import (
     Placement,
     _ring,
+    _te_load_write,
     current_placement,
     export_placement,
     pinned_pool_bytes,
@@ -66,7 +67,7 @@ def test_export_fault_at_kth_state(
 # Where a load can fail: before a state is written, between chunks of a state's copy (the
 # chunks are small, so states span several), or in TE's scaling of an FP16/FP8 state.
 LOAD_FAULTS = {
-    "state": (te_load, "_write_one"),
+    "state": (_te_load_write, "_write_one"),
     "chunk": (_ring.Ring, "copy"),
     "scale": (StandInFusedAdam, "set_scaled_state"),
 }
@@ -203,9 +204,9 @@ def test_load_without_rollback_keeps_no_host_copy(monkeypatch: pytest.MonkeyPatc
     with export_placement("cpu"):
         checkpoint = source.state_dict()
     kept: list[Any] = []
-    real_keep = te_load._Rollback.keep
+    real_keep = _te_load_write._Rollback.keep
     monkeypatch.setattr(
-        te_load._Rollback, "keep", lambda self, t: kept.append(t) or real_keep(self, t)
+        _te_load_write._Rollback, "keep", lambda self, t: kept.append(t) or real_keep(self, t)
     )
     with export_placement("cpu"):
         target.load_state_dict(checkpoint)

@@ -965,7 +965,7 @@ def test_uploader_fp32_and_int16_equal_te_copies(
 def test_load_states_rollback_puts_replaced_states_back(monkeypatch: pytest.MonkeyPatch) -> None:
     # load_states writes into the parameters' own dicts; a state it replaced (here one whose
     # strided layout cannot be written in place) must come back, object and bits.
-    from te_ckpt_placement import te_load
+    from te_ckpt_placement import _te_load_write, te_load
 
     gen = torch.Generator().manual_seed(0)
     p1, p2 = (torch.nn.Parameter(torch.randn(64, generator=gen)) for _ in range(2))
@@ -974,7 +974,7 @@ def test_load_states_rollback_puts_replaced_states_back(monkeypatch: pytest.Monk
     strided = torch.empty(128, dtype=torch.bfloat16)[::2].copy_(opt.state[p1]["exp_avg"])
     opt.state[p1]["exp_avg"] = strided
     before = snapshot(opt)
-    real, calls = te_load._write_one, []
+    real, calls = _te_load_write._write_one, []
 
     def fails_second(*args: Any, **kwargs: Any) -> None:
         calls.append(1)
@@ -982,7 +982,7 @@ def test_load_states_rollback_puts_replaced_states_back(monkeypatch: pytest.Monk
             raise RuntimeError("injected")
         real(*args, **kwargs)
 
-    monkeypatch.setattr(te_load, "_write_one", fails_second)
+    monkeypatch.setattr(_te_load_write, "_write_one", fails_second)
     seven = torch.full((64,), 7.0)
     with pytest.raises(RuntimeError, match="injected"):
         te_load.load_states(opt, [(p1, "exp_avg", seven), (p2, "exp_avg", seven)], rollback=True)

@@ -25,6 +25,7 @@ import te_ckpt_placement
 from te_ckpt_placement import (
     _ring,
     _te_cost,
+    _te_load_write,
     engine,
     export_placement,
     last_report,
@@ -555,7 +556,7 @@ def test_load_failing_part_way_reports_what_was_written(monkeypatch: pytest.Monk
     opt = build(torch.bfloat16, "fp32")
     with export_placement("cpu"):
         checkpoint = opt.state_dict()
-    write = te_load._write_one
+    write = _te_load_write._write_one
     calls = 0
 
     def fourth_fails(*args: Any, **kwargs: Any) -> None:
@@ -565,7 +566,7 @@ def test_load_failing_part_way_reports_what_was_written(monkeypatch: pytest.Monk
             raise RuntimeError("injected")
         write(*args, **kwargs)
 
-    monkeypatch.setattr(te_load, "_write_one", fourth_fails)
+    monkeypatch.setattr(_te_load_write, "_write_one", fourth_fails)
     with pytest.raises(te_load.PartialLoadError), export_placement("cpu"):
         opt.load_state_dict(checkpoint)
     report = last_report()

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from .. import te_load
 
 if TYPE_CHECKING:
+    from ..te_contract import Contract
     from .load_planner import _Target
 
 __all__ = ["Assembly", "buffer_dtype"]
@@ -65,15 +66,15 @@ class Assembly:
         buffer; a state with no local elements has no items and is never written.
         """
         assembled = [t for t in targets if t.live is None and t.numel > 0]
-        writes: dict[int, tuple[Any, list[tuple[torch.Tensor, str, torch.Tensor]]]] = {}
+        writes: dict[int, tuple[Contract, list[tuple[torch.Tensor, str, torch.Tensor]]]] = {}
         for target in assembled:
             # The write's own checks, on a stand-in of the buffer (its dtype and shape, no data).
             probe = torch.empty((), dtype=buffer_dtype(target)).expand(target.local_shape)
-            entry = writes.setdefault(id(target.optimizer), (target.optimizer, []))
+            entry = writes.setdefault(id(target.contract), (target.contract, []))
             entry[1].append((target.param, target.name, probe))
-        for optimizer, states in writes.values():
+        for contract, states in writes.values():
             try:
-                te_load.check_states(optimizer, states)
+                te_load.check_states(contract.optimizer, states, contract=contract)
             except ValueError as exc:
                 raise ValueError(
                     "cannot load the optimizer checkpoint: a state assembled on the host would "

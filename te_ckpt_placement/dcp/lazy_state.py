@@ -40,7 +40,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from .. import _tensors, engine
 from .._tree import iter_tree, map_tree
 from ..policy import Placement, as_placement, export_placement
-from ..te_contract import check_contract, describe_state, has_contract, local_of
+from ..te_contract import Contract, has_contract, local_of
 
 __all__ = [
     "LazyState",
@@ -384,7 +384,7 @@ def _placeholder(
 
 def _lazy_optimizer_state_dict(optimizer: Any, placement: Placement, ledger: _Ledger) -> StateDict:
     """TE's ``state_dict()`` (fused_adam.py L482-513) with placeholders for the states."""
-    check_contract(optimizer)
+    contract = Contract.of(optimizer)
     # The method TE's own state_dict calls as super(): param_groups and the live state entries.
     state_dict: StateDict = torch.optim.Optimizer.state_dict(optimizer)
     # Every state is described (and so validated) before any placeholder exists.
@@ -393,7 +393,7 @@ def _lazy_optimizer_state_dict(optimizer: Any, placement: Placement, ledger: _Le
             key,
             param,
             {
-                name: describe_state(optimizer, param, name, value, placement, key)
+                name: contract.describe(param, name, value, placement, key)
                 for name, value in stored.items()
             },
         )

@@ -71,12 +71,12 @@ from .. import _ring, te_load
 from .._convert import Slot as _Slot
 from ..te_contract import (
     STATE_NAMES,
+    Contract,
     ContractError,
-    check_contract,
-    is_remainder,
+    StateFacts,
+    check_live,
+    check_saved,
     local_of,
-    raw_storage,
-    stored_dtype,
 )
 from . import load_guard
 from .assembly import Assembly
@@ -86,9 +86,6 @@ if TYPE_CHECKING:
 
 __all__ = ["StreamingLoadPlanner", "StreamingLoadWarning"]
 
-# TE FusedAdam storage dtypes scaled by the absmax of the whole state (``_apply_scale``, TE
-# 2.20.2 fused_adam.py L268-308); ``torch.uint8`` is FP8. Every other state is elementwise.
-WHOLE_STATE_DTYPES = (torch.float16, torch.uint8)
 #: What a load that stopped part-way leaves, and what to do (load_guard refuses step()).
 _MIXED = (
     "The optimizer mixes checkpoint and previous values, and its step() refuses to run until a "
@@ -118,13 +115,14 @@ def _note(exc: BaseException, message: str) -> None:
         exc.add_note(f"te_ckpt_placement: {message}")
 
 
-def _write_state(optimizer: Any, param: torch.Tensor, name: str, value: torch.Tensor) -> None:
+def _write_state(contract: Contract, param: torch.Tensor, name: str, value: torch.Tensor) -> None:
     """Writes one assembled state (FP32, or int16 remainders) into the live one, as TE's load does.
 
-    The only per-state write of this module (the states of :mod:`.assembly`):
-    ``te_load.load_state``, which validates the value and writes it exactly as TE's load would.
+    The only per-state write of this module (the states of :mod:`.assembly`, whose writes were
+    checked with the same ``contract`` before the first read): ``te_load.write_prepared``, which
+    writes it exactly as TE's load would.
     """
-    te_load.load_state(optimizer, param, name, value)
+    te_load.write_prepared(contract, param, name, value)
 
 
 class _Target:
@@ -139,20 +137,24 @@ class _Target:
         self,
         planner: StreamingLoadPlanner,
         owner: PlacedOptimizerState,
-        optimizer: Any,
+        contract: Contract,
+        facts: StateFacts,
         param: torch.Tensor,
-        name: str,
         key: str,
         live: Any,
     ) -> None:
         self.planner = planner
         self.owner = owner  # the adapter whose template holds this entry
-        self.optimizer = optimizer
+        self.contract = contract  # the load's contract of the optimizer
+        self.optimizer = contract.optimizer
+        self.facts = facts
         self.param = param
-        self.name = name
+        self.name = facts.name
         self.key = key  # the optimizer's flattened key, "state.<fqn>.<name>"
-        self.remainder = is_remainder(optimizer, param, name)
-        self.whole = optimizer.name_to_dtype_map[name] in WHOLE_STATE_DTYPES
+        self.remainder = facts.remainder
+        # FP16 and FP8: scaled by the absmax of the whole state (``_apply_scale``, TE 2.20.2
+        # fused_adam.py L268-308). Every other state is elementwise.
+        self.whole = facts.scaled
         self.global_size = torch.Size(param.size())
         local_param = local_of(param)
         self.chunk: ChunkStorageMetadata | None
@@ -173,16 +175,11 @@ class _Target:
         # Elementwise states are written in the live storage itself.
         self.live: torch.Tensor | None = None
         if not self.whole:
-            stored = raw_storage(optimizer, param, name, live)
-            expected = stored_dtype(optimizer, param, name)
-            if (
-                not isinstance(stored, torch.Tensor)
-                or stored.dtype != expected
-                or tuple(stored.shape) != tuple(local_param.shape)
-            ):
+            stored = facts.raw(live)
+            if check_live(facts, stored) is not None:
                 raise ValueError(
                     f"cannot stream the optimizer checkpoint into {key}: the live state is "
-                    f"{_describe(stored)}, TE keeps {expected} of shape "
+                    f"{_describe(stored)}, TE keeps {facts.stored} of shape "
                     f"{tuple(local_param.shape)}. No state was written."
                 )
             self.live = stored
@@ -247,6 +244,7 @@ class _OptimizerLoad:
     info: Any  # torch's _StateDictInfo: FQN <-> parameter mappings
     targets: list[_Target]
     live_states: dict[int, Any]  # id(param) -> the optimizer's state dict entry at planning
+    contract: Contract  # this load's, for every check and write of the optimizer's states
     fresh: bool = False  # the optimizer had no state: this load gave it TE's initial states
     _stopped: load_guard.StoppedLoad | None = None
 
@@ -294,10 +292,13 @@ def _fqns_by_param(model: torch.nn.Module) -> dict[int, str]:
     return out
 
 
-def _check_streamable(model: torch.nn.Module, optimizer: Any, options: StateDictOptions) -> Any:
-    """torch's state-dict info for ``(model, optimizer)``; ``_CannotStreamError`` says why not."""
+def _check_streamable(
+    model: torch.nn.Module, optimizer: Any, options: StateDictOptions
+) -> tuple[Any, Contract]:
+    """torch's state-dict info for ``(model, optimizer)`` and the load's contract of
+    ``optimizer``; ``_CannotStreamError`` says why not."""
     try:
-        check_contract(optimizer)
+        contract = Contract.of(optimizer)
     except ContractError as exc:
         raise _CannotStreamError(
             f"{type(optimizer).__qualname__} does not keep TE FusedAdam's storage ({exc})"
@@ -305,17 +306,18 @@ def _check_streamable(model: torch.nn.Module, optimizer: Any, options: StateDict
     info = _verify_options(model, (optimizer,), optim_only=True, options=options)
     if info.fsdp_modules:
         raise _CannotStreamError("the model is wrapped with FSDP1 (FullyShardedDataParallel)")
-    return info
+    return info, contract
 
 
 def _build_load(
     planner: StreamingLoadPlanner,
     owner: PlacedOptimizerState,
     model: torch.nn.Module,
-    optimizer: Any,
     info: Any,
+    contract: Contract,
 ) -> tuple[dict[str, Any], _OptimizerLoad]:
     """The flattened template of one optimizer (``_get_optim_state_dict`` + flatten, unexported)."""
+    optimizer = contract.optimizer
     in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
     fqn_of = _fqns_by_param(model)
 
@@ -339,7 +341,8 @@ def _build_load(
             continue  # torch's load drops these states (_unflatten_optim_state_dict)
         for state_name, value in states.items():
             key = f"state.{name}.{state_name}"
-            if state_name not in optimizer.name_to_dtype_map:
+            facts = contract.facts(param, state_name)
+            if facts is None:
                 raise ValueError(
                     f"cannot stream the optimizer checkpoint into {key}: TE FusedAdam keeps only "
                     f"{', '.join(STATE_NAMES)}. No state was written."
@@ -350,7 +353,7 @@ def _build_load(
                     f"{'' if isinstance(value, DTensor) else 'not '}a DTensor, the parameter "
                     f"{'is' if isinstance(param, DTensor) else 'is not'}. No state was written."
                 )
-            target = _Target(planner, owner, optimizer, param, state_name, key, value)
+            target = _Target(planner, owner, contract, facts, param, key, value)
             template[key] = target
             targets.append(target)
     for group in optimizer.param_groups:  # _flatten_optim_state_dict's param_groups entries
@@ -359,7 +362,7 @@ def _build_load(
             for k, v in group.items():
                 if k != "params":
                     template[f"param_groups.{name}.{k}"] = v
-    return template, _OptimizerLoad(model, optimizer, info, targets, live_states)
+    return template, _OptimizerLoad(model, optimizer, info, targets, live_states, contract)
 
 
 def _take_back(made: list[tuple[Any, list[Any]]]) -> None:
@@ -506,15 +509,15 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         loads = []
         made: list[tuple[Any, list[Any]]] = []  # fresh optimizers given TE's initial states
         try:
-            infos = [_check_streamable(model, optim, state.options) for model, optim in pairs]
-            for (model, optim), info in zip(pairs, infos, strict=True):
+            checked = [_check_streamable(model, optim, state.options) for model, optim in pairs]
+            for (model, optim), (info, contract) in zip(pairs, checked, strict=True):
                 # A fresh optimizer gets TE's initial states (and each group's step count)
                 # instead of DCP's fake step, before any check of its shards can refuse it: the
                 # template path it may fall back to then skips that step.
                 steps = te_load.group_steps(optim)
-                if te_load.initialize_states(optim):
+                if te_load.initialize_states(optim, contract=contract):
                     made.append((optim, steps))
-                part, load = _build_load(self, state, model, optim, info)
+                part, load = _build_load(self, state, model, info, contract)
                 load.fresh = any(optim is opt for opt, _ in made)
                 merge_part(template, part)
                 loads.append(load)
@@ -624,21 +627,9 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
                     f"{key}: saved with shape {tuple(md.size)}, the parameter has "
                     f"{tuple(target.global_size)}"
                 )
-            saved = md.properties.dtype
-            if target.remainder and saved != torch.int16:
-                problems.append(
-                    f"{key}: saved as {saved}, but this optimizer keeps int16 master remainders "
-                    "(store_param_remainders=True); load with the setting it was saved with"
-                )
-            elif not target.remainder and not saved.is_floating_point:
-                hint = (
-                    " (an int16 master_param comes from store_param_remainders=True)"
-                    if saved == torch.int16
-                    else ""
-                )
-                problems.append(
-                    f"{key}: saved as {saved}, but this optimizer keeps floating-point states{hint}"
-                )
+            problem = check_saved(target.facts, md.properties.dtype, metadata=True)
+            if problem is not None:
+                problems.append(f"{key}: {problem}")
         if problems:
             raise ValueError(
                 f"cannot load the optimizer checkpoint: {'; '.join(problems[:8])}"
@@ -745,7 +736,7 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
                     self.stats["ring_bytes"] += region.numel() * region.element_size()
                 left = target.remaining - math.prod(read_item.lengths)
                 if left == 0 and target.buffer is not None:
-                    _write_state(target.optimizer, target.param, target.name, target.buffer)
+                    _write_state(target.contract, target.param, target.name, target.buffer)
                     self._assembly.release(target)
                     target.buffer = None
                 target.remaining = left  # a failed write above leaves the state "partly written"
