@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from te_ckpt_placement import _ring, export_placement, install, te_load
+from te_ckpt_placement import _ring, _te_load_write, export_placement, install, te_load
 
 from .support.faults import nth_call_raises
 from .support.helpers import bits, peak_extra
@@ -216,7 +216,7 @@ def test_te_own_aliasing_export_loads_like_te(mode: Mode, how: str) -> None:
     assert_same_live(target, reference)
 
 
-FAULT_POINTS = {"state": (te_load, "_write_one"), "chunk": (_ring.Ring, "copy")}
+FAULT_POINTS = {"state": (_te_load_write, "_write_one"), "chunk": (_ring.Ring, "copy")}
 
 
 @pytest.mark.parametrize("rollback", [True, False])
