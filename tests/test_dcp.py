@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from torch.distributed.device_mesh import DeviceMesh
 
 from te_ckpt_placement import PassThroughStager, PlacedOptimizerState, export_placement
-from te_ckpt_placement.dcp.state import merge_part
+from te_ckpt_placement.dcp._handshake import merge_part
 from te_ckpt_placement.engine import is_exported
 
 from .support.backends import CPU

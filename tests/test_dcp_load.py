@@ -458,7 +458,7 @@ def test_failure_part_way_says_what_state_the_optimizer_is_in(tmp_path: Path) ->
     ref = plain_run(torch.float16, "fp32", 7)
     load_template_path(ref, tmp_path)
     assert_same_run(ours, ref, "repaired")
-    assert state["optim"]._unfinished_load is not None  # that adapter was not the one reloaded
+    assert state["optim"].unfinished_load is not None  # that adapter was not the one reloaded
     with warnings.catch_warnings():
         warnings.simplefilter("error", StreamingLoadWarning)
         ours.state().state_dict()  # a fresh adapter of the repaired optimizer: no warning
@@ -893,7 +893,7 @@ def test_a_reader_failure_between_resolve_and_commit_frees_the_ring_at_the_next_
     with pytest.raises(CheckpointException, match="short read"), no_template(ours.opt):
         dcp.load(state, storage_reader=ShortRead(str(tmp_path)), planner=failed)
     assert isinstance(slots[-1], load_planner._Slot)  # the reader held a slot when it failed
-    assert state["optim"]._unfinished_load is failed  # for the adapter's warning
+    assert state["optim"].unfinished_load is failed  # for the adapter's warning
     (stale,) = ring_on_cpu
     planner = StreamingLoadPlanner(state["optim"])
     assert stale.nbytes == 0 and failed._rings == {} and failed._pending == {}

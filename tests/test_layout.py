@@ -204,3 +204,118 @@ def test_one_class_constructs_a_cuda_stream() -> None:
             if isinstance(n, ast.ClassDef) and streams(n)
         }
     assert owners == {"_ring.py:Ring"} and calls == 1, (owners, calls)
+
+
+PACKAGE = ROOT / "te_ckpt_placement"
+#: Import circles that other packages of issue 22 are still breaking, each as its sorted modules
+#: (empty: none known).
+KNOWN_CYCLES: set[tuple[str, ...]] = set()
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return ast.unparse(test) in {"TYPE_CHECKING", "typing.TYPE_CHECKING"}
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Each module of the package under ``root`` -> the package modules it imports, inside
+    functions too; ``TYPE_CHECKING``-only imports are left out (they never run).
+    ``from pkg import mod`` counts as importing ``mod``, not ``pkg``."""
+    paths = sorted((root / "te_ckpt_placement").rglob("*.py"))
+
+    def name_of(path: Path) -> str:
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    modules = {name_of(p) for p in paths}
+    graph: dict[str, set[str]] = {}
+    for path in paths:
+        tree = ast.parse(path.read_text(), filename=str(path))
+        skipped = {
+            id(inner)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and _is_type_checking(node.test)
+            for stmt in node.body
+            for inner in ast.walk(stmt)
+        }
+        name = name_of(path)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found: set[str] = set()
+        for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
+            if isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")
+                    base = base[: len(base) - (node.level - 1)]
+                    module = ".".join([*base, *([node.module] if node.module else [])])
+                else:
+                    module = node.module or ""
+                subs = {f"{module}.{alias.name}" for alias in node.names} & modules
+                found |= subs or {module}
+        graph[name] = found & modules
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> set[tuple[str, ...]]:
+    """Every import circle of ``graph``: its strongly connected components, each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: set[tuple[str, ...]] = set()
+
+    def visit(node: str) -> None:  # Tarjan's algorithm
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1 or node in graph.get(node, ()):
+                cycles.add(tuple(sorted(component)))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return cycles
+
+
+def test_the_import_cycle_check_finds_cycles(tmp_path: Path) -> None:
+    pkg = tmp_path / "te_ckpt_placement"
+    (pkg / "sub").mkdir(parents=True)
+    files = {
+        "__init__.py": "def f():\n    from .sub import c\n",
+        "a.py": "from . import b\nfrom .sub import c\n",
+        "b.py": "def f():\n    import te_ckpt_placement.a\n",  # inside a function: counts
+        "sub/__init__.py": "",
+        "sub/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..a import x\n",
+        "sub/d.py": "from .. import sub\nfrom ..sub import d\n",  # a package; itself
+    }
+    for name, text in files.items():
+        (pkg / name).write_text(text)
+    graph = import_graph(tmp_path)
+    assert graph["te_ckpt_placement.a"] == {"te_ckpt_placement.b", "te_ckpt_placement.sub.c"}
+    assert graph["te_ckpt_placement.sub.c"] == set()  # TYPE_CHECKING only
+    assert import_cycles(graph) == {
+        ("te_ckpt_placement.a", "te_ckpt_placement.b"),
+        ("te_ckpt_placement.sub.d",),
+    }
+    found = import_graph(ROOT)["te_ckpt_placement.dcp.load_planner"]
+    assert {"te_ckpt_placement._ring", "te_ckpt_placement.dcp.load_guard"} <= found, found
+
+
+def test_no_import_cycle_among_the_package_modules() -> None:
+    """Issue 22: no import circle among the package's modules, imports inside functions too."""
+    cycles = import_cycles(import_graph(ROOT))
+    assert cycles <= KNOWN_CYCLES, f"import circles: {sorted(cycles - KNOWN_CYCLES)}"
+    assert not KNOWN_CYCLES - cycles, f"broken, drop from KNOWN_CYCLES: {KNOWN_CYCLES - cycles}"

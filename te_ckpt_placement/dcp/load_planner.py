@@ -42,7 +42,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -79,10 +79,9 @@ from ..te_contract import (
     local_of,
 )
 from . import load_guard
+from ._handshake import StreamingLoadWarning, StreamingTemplate, merge_part
 from .assembly import Assembly
-
-if TYPE_CHECKING:
-    from .state import PlacedOptimizerState
+from .state import PlacedOptimizerState
 
 __all__ = ["StreamingLoadPlanner", "StreamingLoadWarning"]
 
@@ -100,10 +99,6 @@ UPLOAD_RING_BYTES = 256 << 20
 UPLOAD_SLOTS = 2
 #: Device types whose live states are loaded through the upload ring (a seam for CPU tests).
 RING_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
-
-
-class StreamingLoadWarning(UserWarning):
-    """A streaming load fell back to the template path, or went over its assembly budget."""
 
 
 class _CannotStreamError(Exception):
@@ -255,30 +250,15 @@ class _OptimizerLoad:
         return self._stopped
 
 
-class _StreamingTemplate(dict):  # type: ignore[type-arg]
-    """What ``PlacedOptimizerState.state_dict()`` returns for a streaming load."""
+class _StreamingTemplate(StreamingTemplate):
+    """A planner's streaming template: :meth:`finish` is the planner's ``_finish``."""
 
     planner: StreamingLoadPlanner
     state: PlacedOptimizerState
     loads: list[_OptimizerLoad]
 
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        raise TypeError(
-            "a streaming-load template cannot be saved, pickled or copied: a PlacedOptimizerState "
-            "returns one from the state_dict() call after StreamingLoadPlanner(state) was made; "
-            "make the planner in the dcp.load call that uses it"
-        )
-
-
-def is_streaming_template(state_dict: Any) -> bool:
-    """True for what ``PlacedOptimizerState.state_dict()`` returned for a streaming load."""
-    return isinstance(state_dict, _StreamingTemplate)
-
-
-def finish_streaming_load(template: Any) -> None:
-    """Loads the ``param_groups`` once every state has streamed in (``load_state_dict``)."""
-    assert isinstance(template, _StreamingTemplate)
-    template.planner._finish(template)
+    def finish(self) -> None:
+        self.planner._finish(self)
 
 
 def _fqns_by_param(model: torch.nn.Module) -> dict[int, str]:
@@ -436,8 +416,6 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         max_assembly_bytes: int | None = None,
         allow_partial_load: bool = False,
     ) -> None:
-        from .state import PlacedOptimizerState
-
         if not states or not all(isinstance(s, PlacedOptimizerState) for s in states):
             raise ValueError(
                 f"unsupported states {states!r}: valid values are one or more "
@@ -491,20 +469,18 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
             0,
         )
         for state in states:
-            stale = state._unfinished_load
-            if isinstance(stale, StreamingLoadPlanner):
+            stale = state.unfinished_load
+            if stale is not None:
                 # A load the reader stopped between resolve_tensor and commit_tensor: no planner
                 # call saw it, and the adapter keeps that planner for its warning. Its uploads
                 # end here, and its pinned slots go back before this load takes its own.
-                stale._close_rings()
-            state._load_planner = self
+                stale.abandon()
+            state._arm(self)
 
     # --- the template (PlacedOptimizerState.state_dict) ------------------------------------
     def template_for(self, state: PlacedOptimizerState) -> dict[str, Any] | None:
         """The streaming template of ``state``, or None (warned) for the template path."""
-        from .state import merge_part  # state imports this module
-
-        pairs = [(model, optim) for model, optims in state._pairs for optim in optims]
+        pairs = state.parts()
         template = _StreamingTemplate()
         loads = []
         made: list[tuple[Any, list[Any]]] = []  # fresh optimizers given TE's initial states
@@ -568,9 +544,7 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
     def _set_up_planner(
         self, state_dict: dict[str, Any], metadata: Metadata | None, is_coordinator: bool
     ) -> None:
-        unused = [s for s in self._states if getattr(s, "_load_planner", None) is self]
-        for state in unused:
-            state._load_planner = None
+        unused = [s for s in self._states if s._disarm(self)]
         if unused:
             raise ValueError(
                 "StreamingLoadPlanner: a PlacedOptimizerState it was made for is not in the state "
@@ -763,6 +737,10 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         self._pending[read_item] = (ring, slot, region)
         return ring.view(slot, tuple(region.shape), region.dtype)
 
+    def abandon(self) -> None:
+        """Ends a load that stopped part-way (a new planner for its adapter): ``_close_rings``."""
+        self._close_rings()
+
     def _close_rings(self) -> None:
         """Waits for every upload and lets the rings go (the load's end, or an error path)."""
         rings, self._rings = list(self._rings.values()), {}
@@ -779,7 +757,7 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
     def _start(self, target: _Target) -> None:
         if not target.started:
             target.started = True
-            target.owner._unfinished_load = self  # cleared when the load finishes
+            target.owner._load_started(self)  # until the load finishes
             # The optimizer's step() refuses to run until a load of every state completes.
             optimizer = target.optimizer
             load_guard.arm(
@@ -848,7 +826,7 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
                 f"previous ones. {_MIXED}"
             )
         loaded = [(load.optimizer, self._load_groups(template, load)) for load in template.loads]
-        template.state._unfinished_load = None  # a complete load wrote every state
+        template.state._load_finished()  # a complete load wrote every state
         for optimizer, post_hooks in loaded:
             for hook in post_hooks.values():
                 hook(optimizer)

@@ -6,7 +6,7 @@ Uses only APIs that torch 2.11 (the GPU machine's version) and 2.13 share.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -18,8 +18,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ..policy import Placement, as_placement, export_placement
+from ._handshake import LoadSession, StreamingLoadWarning, StreamingTemplate, merge_part
 from .lazy_state import lazy_optimizer_state_dict, resolve_loaded
-from .load_planner import StreamingLoadWarning, finish_streaming_load, is_streaming_template
 
 __all__ = ["PlacedOptimizerState"]
 
@@ -35,22 +35,6 @@ def _as_list(value: Any, kind: type, what: str, hint: str) -> list[Any]:
     if not items or not all(isinstance(item, kind) for item in items):
         raise ValueError(f"unsupported {what} {value!r}: valid values are {hint}")
     return items
-
-
-def merge_part(merged: dict[str, Any], part: Mapping[str, Any]) -> None:
-    """Adds one model part's flattened optimizer state dict to ``merged``.
-
-    Raises:
-        ValueError: the part exports a key ``merged`` already has (the parts' FQNs overlap);
-            ``merged`` is left as it was.
-    """
-    overlap = merged.keys() & part.keys()
-    if overlap:
-        raise ValueError(
-            f"model parts export the same keys {sorted(overlap)[:3]}: give each part distinct "
-            "parameter names"
-        )
-    merged.update(part)
 
 
 class PlacedOptimizerState(Stateful):
@@ -163,17 +147,44 @@ class PlacedOptimizerState(Stateful):
             self._pairs = [(parts[0], tuple(optims))]
         else:
             self._pairs = [(part, (opt,)) for part, opt in zip(parts, optims, strict=True)]
+        # The streaming load (a StreamingLoadPlanner) whose template the next state_dict()
+        # returns, and the one that wrote states but never finished (dcp.load raised part-way).
+        self._armed: LoadSession | None = None
+        self._unfinished: LoadSession | None = None
 
     def _each(self, fn: Callable[[torch.nn.Module, tuple[Any, ...]], Any]) -> list[Any]:
         # The policy covers the whole call: export, DCP's fake step on a fresh optimizer, load.
         with export_placement(self.placement):
             return [fn(model, optims) for model, optims in self._pairs]
 
-    # Set by a StreamingLoadPlanner (load_planner.py): the planner whose template the next
-    # state_dict() returns, and the planner of a streaming load that wrote states but never
-    # finished (dcp.load raised part-way).
-    _load_planner: Any = None
-    _unfinished_load: Any = None
+    # --- the load handshake (._handshake): what a StreamingLoadPlanner calls -----------------
+    def parts(self) -> list[tuple[torch.nn.Module, Any]]:
+        """Each ``(model, optimizer)`` pair of the adapter, in order."""
+        return [(model, optim) for model, optims in self._pairs for optim in optims]
+
+    @property
+    def unfinished_load(self) -> LoadSession | None:
+        """The streaming load that wrote states into the optimizers and never finished, if any."""
+        return self._unfinished
+
+    def _arm(self, session: LoadSession) -> None:
+        """The next :meth:`state_dict` returns ``session``'s template (the load's own call)."""
+        self._armed = session
+
+    def _disarm(self, session: LoadSession) -> bool:
+        """Takes back ``session``'s arming; False when the adapter was not armed for it."""
+        if self._armed is not session:
+            return False
+        self._armed = None
+        return True
+
+    def _load_started(self, session: LoadSession) -> None:
+        """``session`` began writing states: until it finishes, they mix two checkpoints."""
+        self._unfinished = session
+
+    def _load_finished(self) -> None:
+        """A complete load wrote every state."""
+        self._unfinished = None
 
     def state_dict(self) -> StateDict:
         """The flattened optimizer state dict, exported under the policy.
@@ -184,15 +195,15 @@ class PlacedOptimizerState(Stateful):
         Raises:
             ValueError: two model parts export the same key (their FQNs overlap).
         """
-        planner, self._load_planner = self._load_planner, None
-        if planner is not None:
-            template = planner.template_for(self)
+        session, self._armed = self._armed, None
+        if session is not None:
+            template = session.template_for(self)
             if template is not None:
                 return template  # else: the planner warned, the template path loads
-        elif self._unfinished_load is not None:
+        elif self._unfinished is not None:
             warnings.warn(
                 "the last streaming load of this optimizer stopped part-way "
-                f"({self._unfinished_load.progress}): it mixes checkpoint and previous values",
+                f"({self._unfinished.progress}): it mixes checkpoint and previous values",
                 StreamingLoadWarning,
                 stacklevel=2,
             )
@@ -218,8 +229,8 @@ class PlacedOptimizerState(Stateful):
         A streaming template (see :class:`StreamingLoadPlanner`) already holds its states in
         the optimizers: this loads its ``param_groups``.
         """
-        if is_streaming_template(state_dict):
-            finish_streaming_load(state_dict)
+        if isinstance(state_dict, StreamingTemplate):
+            state_dict.finish()
             return
         # A save="streaming" template holds lazy states that DCP read into: their host tensors.
         state_dict = resolve_loaded(state_dict)
@@ -229,4 +240,4 @@ class PlacedOptimizerState(Stateful):
                 model, optims, optim_state_dict=state_dict, options=self.options
             )
         )
-        self._unfinished_load = None  # a complete load wrote every state
+        self._load_finished()
