@@ -42,6 +42,7 @@ from te_ckpt_placement.dcp import (
     PlacedOptimizerState,
     StreamingLoadPlanner,
     StreamingLoadWarning,
+    _load_targets,
     load_planner,
 )
 
@@ -440,8 +441,8 @@ def test_failure_part_way_says_what_state_the_optimizer_is_in(tmp_path: Path) ->
             raise MemoryError("no host memory")
         original(*args)
 
-    original = load_planner._write_state
-    load_planner._write_state = failing_write  # type: ignore[assignment]
+    original = _load_targets._write_state
+    _load_targets._write_state = failing_write  # type: ignore[assignment]
     try:
         expected = (
             r"failed part-way, at optim\.state\.0\.bias\.exp_avg \(MemoryError: no host "
@@ -451,7 +452,7 @@ def test_failure_part_way_says_what_state_the_optimizer_is_in(tmp_path: Path) ->
         with pytest.raises(CheckpointException, match=expected):
             dcp.load(state, checkpoint_id=str(tmp_path), planner=planner)
     finally:
-        load_planner._write_state = original  # type: ignore[assignment]
+        _load_targets._write_state = original  # type: ignore[assignment]
 
     # Loading again repairs it: a complete load writes every state.
     planner = load_streaming(ours, tmp_path)
@@ -467,7 +468,7 @@ def test_failure_part_way_says_what_state_the_optimizer_is_in(tmp_path: Path) ->
 def interrupting_write(monkeypatch: pytest.MonkeyPatch) -> None:
     """The planner's third FP16/FP8 write is interrupted (Ctrl-C inside a planner call)."""
     calls = []
-    original = load_planner._write_state
+    original = _load_targets._write_state
 
     def write(*args: Any) -> None:
         calls.append(args)
@@ -475,7 +476,7 @@ def interrupting_write(monkeypatch: pytest.MonkeyPatch) -> None:
             raise KeyboardInterrupt
         original(*args)
 
-    monkeypatch.setattr(load_planner, "_write_state", write)
+    monkeypatch.setattr(_load_targets, "_write_state", write)
 
 
 @pytest.mark.usefixtures("quiet")

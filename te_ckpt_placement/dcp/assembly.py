@@ -29,7 +29,7 @@ from .. import te_load
 
 if TYPE_CHECKING:
     from ..te_contract import Contract
-    from .load_planner import _Target
+    from ._load_targets import _Target
 
 __all__ = ["Assembly", "buffer_dtype"]
 

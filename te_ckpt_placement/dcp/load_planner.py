@@ -18,19 +18,21 @@ fill, ``commit_tensor`` says it was filled):
   state whose saved pieces are strided regions of it (a reshard along a later dimension) cannot
   take them in place either: their items are assembled in a host buffer of the local state (FP32;
   int16 for master remainders, see :mod:`.assembly`), written whole through ``te_load`` (the one
-  per-state write, :func:`_write_state`) when the last item has arrived, and freed.
+  per-state write, :func:`._load_targets._write_state`) when the last item has arrived, and
+  freed.
 
-The template that ``dcp.load`` sees holds, for each state, a :class:`_Target` that describes the
-state's local chunk (what ``DTensor.__create_chunk_list__`` would say) without any data, and the
-optimizer's ``param_groups`` entries as torch's flattened export holds them. Keys and FQNs follow
-``get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)`` (torch's ``_get_fqns``), and
-``param_groups`` are loaded through torch's own ``_unflatten_optim_state_dict`` and
-``Optimizer.load_state_dict``, so the result equals ``set_optimizer_state_dict``'s.
+The template that ``dcp.load`` sees holds, for each state, a :class:`._load_targets._Target` that
+describes the state's local chunk (what ``DTensor.__create_chunk_list__`` would say) without any
+data, and the optimizer's ``param_groups`` entries as torch's flattened export holds them. Keys
+and FQNs follow ``get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)`` (torch's
+``_get_fqns``), and ``param_groups`` are loaded through torch's own
+``_unflatten_optim_state_dict`` and ``Optimizer.load_state_dict``, so the result equals
+``set_optimizer_state_dict``'s.
 
 Uses only APIs that torch 2.11 (the GPU machine's version) and 2.13 share; the private helpers of
-``torch.distributed.checkpoint`` it imports (``_get_fqns``, ``_verify_options``,
-``_unflatten_optim_state_dict``, ``_create_chunk_from_dtensor``, ``_create_chunk_from_tensor``)
-have the same code in both.
+``torch.distributed.checkpoint`` it and :mod:`._load_targets` import (``_get_fqns``,
+``_verify_options``, ``_unflatten_optim_state_dict``, ``_create_chunk_from_dtensor``,
+``_create_chunk_from_tensor``) have the same code in both.
 """
 
 from __future__ import annotations
@@ -41,45 +43,28 @@ import time
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    Metadata,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
-from torch.distributed.checkpoint.planner_helpers import (
-    _create_chunk_from_dtensor,
-    _create_chunk_from_tensor,
-    _init_state_dict,
-)
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    _get_fqns,
-    _unflatten_optim_state_dict,
-    _verify_options,
-)
-from torch.distributed.tensor import DTensor
+from torch.distributed.checkpoint.planner_helpers import _init_state_dict
+from torch.distributed.checkpoint.state_dict import _unflatten_optim_state_dict
 
 from .. import _ring, te_load
 from .._convert import Slot as _Slot
-from ..te_contract import (
-    STATE_NAMES,
-    Contract,
-    ContractError,
-    StateFacts,
-    check_live,
-    check_saved,
-    local_of,
-)
-from . import load_guard
+from . import _load_targets, load_guard
 from ._handshake import StreamingLoadWarning, StreamingTemplate, merge_part
+from ._load_targets import (
+    _build_load,
+    _CannotStreamError,
+    _check_streamable,
+    _OptimizerLoad,
+    _Target,
+)
 from .assembly import Assembly
 from .state import PlacedOptimizerState
 
@@ -101,153 +86,9 @@ UPLOAD_SLOTS = 2
 RING_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
 
 
-class _CannotStreamError(Exception):
-    """The planner cannot serve this optimizer: the template path loads it (with a warning)."""
-
-
 def _note(exc: BaseException, message: str) -> None:
     if hasattr(exc, "add_note"):  # Python >= 3.11
         exc.add_note(f"te_ckpt_placement: {message}")
-
-
-def _write_state(contract: Contract, param: torch.Tensor, name: str, value: torch.Tensor) -> None:
-    """Writes one assembled state (FP32, or int16 remainders) into the live one, as TE's load does.
-
-    The only per-state write of this module (the states of :mod:`.assembly`, whose writes were
-    checked with the same ``contract`` before the first read): ``te_load.write_prepared``, which
-    writes it exactly as TE's load would.
-    """
-    te_load.write_prepared(contract, param, name, value)
-
-
-class _Target:
-    """One live optimizer state as a ``dcp.load`` template entry: its chunk, and no data.
-
-    DCP plans the reads of a template entry from ``size()`` and ``__create_chunk_list__()``
-    (``create_default_local_load_plan``), as it does for a DTensor; the planner that made the
-    entry then serves the reads. Any other use (another planner, ``dcp.save``, a copy) fails.
-    """
-
-    def __init__(
-        self,
-        planner: StreamingLoadPlanner,
-        owner: PlacedOptimizerState,
-        contract: Contract,
-        facts: StateFacts,
-        param: torch.Tensor,
-        key: str,
-        live: Any,
-    ) -> None:
-        self.planner = planner
-        self.owner = owner  # the adapter whose template holds this entry
-        self.contract = contract  # the load's contract of the optimizer
-        self.optimizer = contract.optimizer
-        self.facts = facts
-        self.param = param
-        self.name = facts.name
-        self.key = key  # the optimizer's flattened key, "state.<fqn>.<name>"
-        self.remainder = facts.remainder
-        # FP16 and FP8: scaled by the absmax of the whole state (``_apply_scale``, TE 2.20.2
-        # fused_adam.py L268-308). Every other state is elementwise.
-        self.whole = facts.scaled
-        self.global_size = torch.Size(param.size())
-        local_param = local_of(param)
-        self.chunk: ChunkStorageMetadata | None
-        if isinstance(param, DTensor):
-            # What DTensor.__create_chunk_list__ says for the export of this state (same mesh,
-            # placements and global shape); no chunk on a rank outside the parameter's mesh.
-            on_mesh = param.device_mesh.get_coordinate() is not None
-            self.chunk = _create_chunk_from_dtensor(param) if on_mesh else None
-        else:
-            self.chunk = _create_chunk_from_tensor(param)
-        shape = tuple(self.chunk.sizes) if self.chunk is not None else (0,)
-        if self.chunk is not None and shape != tuple(local_param.shape):
-            raise _CannotStreamError(
-                f"{key}: the local shard {tuple(local_param.shape)} is not DCP's chunk {shape}"
-            )
-        self.local_shape = shape
-        self.numel = math.prod(shape)
-        # Elementwise states are written in the live storage itself.
-        self.live: torch.Tensor | None = None
-        if not self.whole:
-            stored = facts.raw(live)
-            if check_live(facts, stored) is not None:
-                raise ValueError(
-                    f"cannot stream the optimizer checkpoint into {key}: the live state is "
-                    f"{_describe(stored)}, TE keeps {facts.stored} of shape "
-                    f"{tuple(local_param.shape)}. No state was written."
-                )
-            self.live = stored
-        # Set up by the planner: the key in dcp.load's flattened state dict, how items are read.
-        self.dcp_key = key
-        self.progress = load_guard.Progress(key)  # started, remaining: what the step guard says
-        self.buffer: torch.Tensor | None = None  # the host assembly buffer (.assembly)
-
-    @property
-    def started(self) -> bool:
-        return self.progress.started
-
-    @started.setter
-    def started(self, value: bool) -> None:
-        self.progress.started = value
-
-    @property
-    def remaining(self) -> int | None:
-        """Local elements still to arrive (None: not planned)."""
-        return self.progress.remaining
-
-    @remaining.setter
-    def remaining(self, value: int | None) -> None:
-        self.progress.remaining = value
-
-    def size(self) -> torch.Size:
-        """The state's global shape, which DCP checks against the checkpoint's."""
-        return self.global_size
-
-    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        if not self.planner._planning:
-            raise RuntimeError(
-                f"{self.dcp_key} is a streaming-load template entry: load it with the "
-                "StreamingLoadPlanner that made it (dcp.load(..., planner=planner))"
-            )
-        return [] if self.chunk is None else [self.chunk]
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        raise TypeError(
-            f"{self.dcp_key} is a streaming-load template entry, which holds no data: it cannot "
-            "be saved, pickled or copied. A PlacedOptimizerState returns such entries from the "
-            "one state_dict() call after StreamingLoadPlanner(state) was made: make the planner "
-            "in the dcp.load call that uses it"
-        )
-
-    def __repr__(self) -> str:
-        return f"<streaming-load target {self.dcp_key} {tuple(self.global_size)}>"
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"{value.dtype} of shape {tuple(value.shape)}"
-    return type(value).__name__
-
-
-@dataclass(eq=False)
-class _OptimizerLoad:
-    """One optimizer's part of a streaming template."""
-
-    model: torch.nn.Module
-    optimizer: Any
-    info: Any  # torch's _StateDictInfo: FQN <-> parameter mappings
-    targets: list[_Target]
-    live_states: dict[int, Any]  # id(param) -> the optimizer's state dict entry at planning
-    contract: Contract  # this load's, for every check and write of the optimizer's states
-    fresh: bool = False  # the optimizer had no state: this load gave it TE's initial states
-    _stopped: load_guard.StoppedLoad | None = None
-
-    def stopped(self) -> load_guard.StoppedLoad:
-        """This part's progress alone, for the step guard (one object per part)."""
-        if self._stopped is None:
-            self._stopped = load_guard.StoppedLoad([t.progress for t in self.targets], self.fresh)
-        return self._stopped
 
 
 class _StreamingTemplate(StreamingTemplate):
@@ -259,90 +100,6 @@ class _StreamingTemplate(StreamingTemplate):
 
     def finish(self) -> None:
         self.planner._finish(self)
-
-
-def _fqns_by_param(model: torch.nn.Module) -> dict[int, str]:
-    """FQN of each parameter, as ``get_optimizer_state_dict`` names them (torch's ``_get_fqns``)."""
-    out: dict[int, str] = {}
-    for key, param in model.named_parameters():
-        fqns = _get_fqns(model, key)
-        if len(fqns) != 1:
-            raise _CannotStreamError(f"parameter {key!r} has {len(fqns)} FQNs (an FSDP1 flat one)")
-        out[id(param)] = next(iter(fqns))
-    return out
-
-
-def _check_streamable(
-    model: torch.nn.Module, optimizer: Any, options: StateDictOptions
-) -> tuple[Any, Contract]:
-    """torch's state-dict info for ``(model, optimizer)`` and the load's contract of
-    ``optimizer``; ``_CannotStreamError`` says why not."""
-    try:
-        contract = Contract.of(optimizer)
-    except ContractError as exc:
-        raise _CannotStreamError(
-            f"{type(optimizer).__qualname__} does not keep TE FusedAdam's storage ({exc})"
-        ) from exc
-    info = _verify_options(model, (optimizer,), optim_only=True, options=options)
-    if info.fsdp_modules:
-        raise _CannotStreamError("the model is wrapped with FSDP1 (FullyShardedDataParallel)")
-    return info, contract
-
-
-def _build_load(
-    planner: StreamingLoadPlanner,
-    owner: PlacedOptimizerState,
-    model: torch.nn.Module,
-    info: Any,
-    contract: Contract,
-) -> tuple[dict[str, Any], _OptimizerLoad]:
-    """The flattened template of one optimizer (``_get_optim_state_dict`` + flatten, unexported)."""
-    optimizer = contract.optimizer
-    in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    fqn_of = _fqns_by_param(model)
-
-    def fqn(param: torch.Tensor) -> str:
-        name = fqn_of.get(id(param))
-        if name is None or id(param) not in in_optimizer:
-            raise ValueError(
-                "cannot stream the optimizer checkpoint: the optimizer holds a parameter that is "
-                "not in model.named_parameters() (torch's get_optimizer_state_dict fails on it "
-                "too). No state was written."
-            )
-        return name
-
-    template: dict[str, Any] = {}
-    targets: list[_Target] = []
-    live_states: dict[int, Any] = {}
-    for param, states in optimizer.state.items():  # torch's state_dict order
-        name = fqn(param)
-        live_states[id(param)] = states
-        if not param.requires_grad:
-            continue  # torch's load drops these states (_unflatten_optim_state_dict)
-        for state_name, value in states.items():
-            key = f"state.{name}.{state_name}"
-            facts = contract.facts(param, state_name)
-            if facts is None:
-                raise ValueError(
-                    f"cannot stream the optimizer checkpoint into {key}: TE FusedAdam keeps only "
-                    f"{', '.join(STATE_NAMES)}. No state was written."
-                )
-            if isinstance(value, DTensor) != isinstance(param, DTensor):
-                raise ValueError(
-                    f"cannot stream the optimizer checkpoint into {key}: the state is "
-                    f"{'' if isinstance(value, DTensor) else 'not '}a DTensor, the parameter "
-                    f"{'is' if isinstance(param, DTensor) else 'is not'}. No state was written."
-                )
-            target = _Target(planner, owner, contract, facts, param, key, value)
-            template[key] = target
-            targets.append(target)
-    for group in optimizer.param_groups:  # _flatten_optim_state_dict's param_groups entries
-        for param in group["params"]:
-            name = fqn(param)
-            for k, v in group.items():
-                if k != "params":
-                    template[f"param_groups.{name}.{k}"] = v
-    return template, _OptimizerLoad(model, optimizer, info, targets, live_states, contract)
 
 
 def _take_back(made: list[tuple[Any, list[Any]]]) -> None:
@@ -583,33 +340,7 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
                 "adapters' templates as the adapters returned them. No state was written."
             )
         if metadata is not None:
-            self._validate(metadata)
-
-    def _validate(self, metadata: Metadata) -> None:
-        """Every state against the checkpoint's metadata, before any read."""
-        problems = []
-        for key, target in self._targets.items():
-            md = metadata.state_dict_metadata.get(key)
-            if md is None:
-                problems.append(f"{key}: not in the checkpoint")
-                continue
-            if not isinstance(md, TensorStorageMetadata):
-                problems.append(f"{key}: saved as a non-tensor value")
-                continue
-            if md.size != target.global_size:
-                problems.append(
-                    f"{key}: saved with shape {tuple(md.size)}, the parameter has "
-                    f"{tuple(target.global_size)}"
-                )
-            problem = check_saved(target.facts, md.properties.dtype, metadata=True)
-            if problem is not None:
-                problems.append(f"{key}: {problem}")
-        if problems:
-            raise ValueError(
-                f"cannot load the optimizer checkpoint: {'; '.join(problems[:8])}"
-                + (f" (and {len(problems) - 8} more)" if len(problems) > 8 else "")
-                + ". No state was written."
-            )
+            _load_targets._validate(self._targets, metadata)
 
     def create_local_plan(self) -> LoadPlan:
         with self._before_any_write():
@@ -710,7 +441,9 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
                     self.stats["ring_bytes"] += region.numel() * region.element_size()
                 left = target.remaining - math.prod(read_item.lengths)
                 if left == 0 and target.buffer is not None:
-                    _write_state(target.contract, target.param, target.name, target.buffer)
+                    _load_targets._write_state(
+                        target.contract, target.param, target.name, target.buffer
+                    )
                     self._assembly.release(target)
                     target.buffer = None
                 target.remaining = left  # a failed write above leaves the state "partly written"
