@@ -24,7 +24,6 @@ Importing this module does not import TE.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +31,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from . import engine, reports
+from ._versions import installed
 from .policy import Placement
 
 __all__ = [
@@ -74,19 +74,8 @@ class ContractError(RuntimeError):
 
 
 def te_version() -> str:
-    """The installed Transformer Engine version, or a phrase saying why it is unknown."""
-    try:
-        from importlib.metadata import PackageNotFoundError, version
-
-        for dist in ("transformer_engine", "transformer-engine"):
-            try:
-                return version(dist)
-            except PackageNotFoundError:
-                continue
-    except Exception:  # pragma: no cover - metadata is best effort
-        pass
-    module = sys.modules.get("transformer_engine")
-    return str(getattr(module, "__version__", "unknown"))
+    """The installed Transformer Engine version, or "unknown"."""
+    return installed("transformer_engine", "transformer-engine", module="transformer_engine")
 
 
 def missing_attrs(obj: object, names: tuple[str, ...]) -> list[str]:
