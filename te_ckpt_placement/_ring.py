@@ -139,7 +139,9 @@ class Ring:
         """Waits until the copy last recorded on slot ``i`` has completed."""
         start = time.perf_counter()
         self.events[i % self.slots].synchronize()
-        self.wait_s += time.perf_counter() - start
+        waited = time.perf_counter() - start
+        self.wait_s += waited
+        reports.waited(waited)
 
     def after_current(self) -> None:
         """Makes the copy stream wait for what the current stream has queued."""
@@ -394,7 +396,7 @@ class Uploader:
         """Copies the host tensor ``src`` into the dense device tensor ``dst``, chunk by chunk.
 
         ``dst`` is int16 (``src`` the same), FP32 (``src.float()``'s values) or BF16
-        (``src.float().bfloat16()``'s bits, see :mod:`.upload`), converted on the host.
+        (``src.float().bfloat16()``'s bits, see :mod:`._convert`), converted on the host.
         ``src`` may have any strides. Returns once the last chunk is queued.
         """
         order = memory_order(dst)

@@ -332,6 +332,13 @@ def attach(recorder: _Recorder | None) -> Iterator[None]:
         _active.reset(token)
 
 
+def waited(seconds: float) -> None:
+    """The running operation waited ``seconds`` for a staging ring's copies."""
+    recorder = _active.get()
+    if recorder is not None:
+        recorder.waited(seconds)
+
+
 def staging(device: torch.device, nbytes: int) -> None:
     """The staging lent to the running operation on ``device`` holds ``nbytes`` of host memory."""
     recorder = _active.get()

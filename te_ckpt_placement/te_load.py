@@ -9,8 +9,8 @@ value to BF16 on the checkpoint's device (the host, for a host checkpoint) and c
 GPU; FP32 and int16 states are a plain copy; FP16 and FP8 states are scaled on the GPU.
 
 This module validates the whole checkpoint first, then writes every state into the live one, in
-place where its storage fits (:func:`_reusable`): BF16, FP32 and int16 states from host tensors
-through the pinned pipeline of :mod:`te_ckpt_placement.upload` (host conversion of chunk k+1
+place where its storage fits (``_te_load_write._reusable``): BF16, FP32 and int16 states from host
+tensors through the pinned pipeline of :class:`te_ckpt_placement._ring.Uploader` (host conversion of chunk k+1
 overlapped with the copy of chunk k, no GPU memory), FP16 and FP8 states through TE's own
 ``set_scaled_state`` on one FP32 device copy of the state, and device-resident checkpoints on the
 device, one state at a time. The result is TE's load bit for bit. It reads TE's private
@@ -149,7 +149,7 @@ def load_states(
         rollback: On a failure part-way, put the written states back (a host copy of each
             overwritten state, made as the load goes); otherwise raise :class:`PartialLoadError`.
     """
-    with reports.operation("load"):
+    with reports.operation("load", path="load_states"):
         _load_states(Contract.of(optimizer), states, rollback=rollback)
 
 

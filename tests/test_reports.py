@@ -499,12 +499,38 @@ def test_attached_threads_count_towards_one_report() -> None:
         report.details["produced"] = 0  # type: ignore[index]
 
 
-def test_a_state_dict_report_has_the_default_path_and_no_details() -> None:
+def _ring_wait() -> float:
+    return sum(ring.wait_s for ring in _ring._rings.all())
+
+
+def test_a_state_dict_report_has_the_default_path_and_the_rings_wait() -> None:
+    opt = build(torch.bfloat16, "fp32")
+    before = _ring_wait()
     with export_placement("cpu"):
-        build(torch.bfloat16, "fp32").state_dict()
+        opt.state_dict()
     report = last_report()
     assert report is not None and report.op == "export"
-    assert (report.path, report.wait_seconds, dict(report.details)) == ("state_dict", 0.0, {})
+    assert (report.path, dict(report.details)) == ("state_dict", {})
+    # The time the export's ring waited for its copies, as the ring itself counted it.
+    assert report.wait_seconds == pytest.approx(_ring_wait() - before, abs=1e-9)
+    assert report.wait_seconds > 0
+
+
+def test_a_load_states_report_says_its_path() -> None:
+    opt = build(torch.bfloat16, "fp32")
+    with export_placement("cpu"):
+        exported = opt.state_dict()
+    params = [p for group in opt.param_groups for p in group["params"]]
+    states = [
+        (params[i], name, value)
+        for i, entry in exported["state"].items()
+        for name, value in entry.items()
+        if name != "step"
+    ]
+    te_load.load_states(opt, states)
+    report = last_report()
+    assert report is not None and (report.op, report.path) == ("load", "load_states")
+    assert report.states == len(states)
 
 
 # --- failures -------------------------------------------------------------------------------------
