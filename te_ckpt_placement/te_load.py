@@ -10,8 +10,8 @@ GPU; FP32 and int16 states are a plain copy; FP16 and FP8 states are scaled on t
 
 This module validates the whole checkpoint first, then writes every state into the live one, in
 place where its storage fits (``_te_load_write._reusable``): BF16, FP32 and int16 states from host
-tensors through the pinned pipeline of :class:`te_ckpt_placement._ring.Uploader` (host conversion of chunk k+1
-overlapped with the copy of chunk k, no GPU memory), FP16 and FP8 states through TE's own
+tensors through the pinned pipeline of :class:`te_ckpt_placement._ring.Uploader` (host conversion of
+chunk k+1 overlapped with the copy of chunk k, no GPU memory), FP16 and FP8 states through TE's own
 ``set_scaled_state`` on one FP32 device copy of the state, and device-resident checkpoints on the
 device, one state at a time. The result is TE's load bit for bit. It reads TE's private
 ``_scales`` (L214, L452) and calls ``_initialize_state`` (L397-455) where TE's load would create a

@@ -9,12 +9,12 @@ Two kinds of state cannot take a checkpoint item on its own:
   world size). A copy into such a region of a GPU state would stage on the GPU, and convert an
   FP32 piece to BF16 with the kernel of the piece's layout instead of the whole state's.
 
-Each is assembled in one host buffer of its local state, in the dtype that TE's export gives it
-and ``set_scaled_state`` takes (int16 for master remainders, FP32 for everything else: L371-380),
-which is what the template path's template holds too, and written whole through
-``te_load.write_prepared`` once its last item has arrived (checked by ``te_load.check_states`` first). :class:`Assembly` checks every such write
-before the first read (a refusal then leaves every state as it was), sizes the default budget,
-counts the bytes held and warns once over the budget.
+Each is assembled in one host buffer of its local state, in the dtype that TE's export gives it and
+``set_scaled_state`` takes (int16 for master remainders, FP32 for everything else: L371-380), which
+is what the template path's template holds too, and written whole through ``te_load.write_prepared``
+once its last item has arrived (checked by ``te_load.check_states`` first). :class:`Assembly` checks
+every such write before the first read (a refusal then leaves every state as it was), sizes the
+default budget, counts the bytes held and warns once over the budget.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ class Assembly:
         """Checks every write of an assembled state and sets the default budget.
 
         Raises ``ValueError`` (no state was written) where ``te_load.check_states`` (the check
-        ``te_load.load_state`` makes) would refuse a buffer; a state with no local elements has no items and is never written.
+        ``te_load.load_state`` makes) would refuse a buffer; a state with no local elements has no
+        items and is never written.
         """
         assembled = [t for t in targets if t.live is None and t.numel > 0]
         writes: dict[int, tuple[Contract, list[tuple[torch.Tensor, str, torch.Tensor]]]] = {}
