@@ -8,7 +8,7 @@ For each operation it compares the path users run today with the policy:
 - ``dcp_async_save``: the same dict through ``dcp.async_save`` on a ``cpu:gloo,cuda:nccl`` group.
   ``te_default`` and ``placement_cpu`` use DCP's default stager (it copies every tensor again,
   CPU ones included); ``placement_cpu_passthrough_stager`` passes the export's tensors through
-  ``te_ckpt_placement.PassThroughStager`` and stages only the model weights.
+  ``te_ckpt_placement.dcp.PassThroughStager`` and stages only the model weights.
 - ``full_state_dict``: ``get_optimizer_state_dict`` with ``full_state_dict=True`` and
   ``cpu_offload=True`` (every state all-gathered to rank 0's host), without and with the policy;
   the two results must be equal bit for bit. ``largest_state_bytes`` is one global FP32 state,
@@ -289,7 +289,7 @@ def blank(tree: Any) -> None:
 # --- measurement --------------------------------------------------------------------------------
 def counting_pass_through() -> Any:
     """A PassThroughStager that counts the exported tensors it handed on without a copy."""
-    from te_ckpt_placement import PassThroughStager
+    from te_ckpt_placement.dcp import PassThroughStager
     from te_ckpt_placement.engine import is_exported
 
     class Counting(PassThroughStager):

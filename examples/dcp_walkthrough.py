@@ -36,7 +36,8 @@ NEEDS = (
 try:
     from transformer_engine.pytorch.optimizers import FusedAdam
 
-    from te_ckpt_placement import PassThroughStager, PlacedOptimizerState, export_placement
+    from te_ckpt_placement import export_placement
+    from te_ckpt_placement.dcp import PassThroughStager, PlacedOptimizerState
 except ImportError as exc:
     sys.exit(f"{NEEDS}; here: {exc}")
 if not torch.cuda.is_available():

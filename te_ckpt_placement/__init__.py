@@ -6,8 +6,7 @@ Example:
     ...     state = optimizer.state_dict()  # doctest: +SKIP
 
 ``import te_ckpt_placement`` does not import Transformer Engine; ``te_ckpt_placement.FusedAdam``
-does, on first access. ``PassThroughStager`` and ``PlacedOptimizerState`` (from
-:mod:`te_ckpt_placement.dcp`) import torch.distributed.checkpoint on first access.
+does, on first access. The DCP helpers are in :mod:`te_ckpt_placement.dcp`.
 """
 
 from __future__ import annotations
@@ -16,23 +15,20 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from . import _pool
+from ._te_load_write import PartialLoadError
 from .policy import Placement, current_placement, export_placement
 from .reports import TransferReport, last_report
 from .te_contract import ContractError
 from .te_hooks import install, is_installed, uninstall
-from .te_load import PartialLoadError
 
 if TYPE_CHECKING:
-    from .dcp import PassThroughStager, PlacedOptimizerState
     from .fused_adam import FusedAdam as FusedAdam
 
 # FusedAdam is not listed: `from te_ckpt_placement import *` must work without TE installed.
 __all__ = [
     "ContractError",
     "PartialLoadError",
-    "PassThroughStager",
     "Placement",
-    "PlacedOptimizerState",
     "TransferReport",
     "current_placement",
     "export_placement",
@@ -63,7 +59,7 @@ def pinned_pool_bytes() -> int:
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), "FusedAdam", "PassThroughStager", "PlacedOptimizerState"])
+    return sorted([*globals(), "FusedAdam"])
 
 
 def __getattr__(name: str) -> Any:
@@ -71,8 +67,4 @@ def __getattr__(name: str) -> Any:
         from .fused_adam import FusedAdam as FusedAdam
 
         return FusedAdam
-    if name in ("PassThroughStager", "PlacedOptimizerState"):
-        from . import dcp
-
-        return getattr(dcp, name)
     raise AttributeError(f"module 'te_ckpt_placement' has no attribute {name!r}")

@@ -25,17 +25,6 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = [
-    "EXPORTS",
-    "Holder",
-    "HostPool",
-    "empty_host",
-    "held_bytes",
-    "register",
-    "release_all",
-    "storage_idle",
-]
-
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
 _libc: Any = None

@@ -36,20 +36,6 @@ from ._convert import bf16_copy_is_vectorized
 from ._convert import to_bf16 as _to_bf16
 from ._tensors import memory_order, row_blocks
 
-__all__ = [
-    "CHUNK_BYTES",
-    "RING",
-    "Convert",
-    "Ring",
-    "Scratch",
-    "SlotLender",
-    "Uploader",
-    "in_use",
-    "lend",
-    "release_idle",
-    "stream_into",
-]
-
 #: Bytes of raw state moved per chunk, and how many chunks are in flight.
 CHUNK_BYTES = 16 << 20
 RING = 3

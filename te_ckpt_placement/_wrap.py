@@ -17,16 +17,6 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = [
-    "Wrapper",
-    "add_wrapper",
-    "current",
-    "original",
-    "remove_wrapper",
-    "wrappers",
-    "wrapping",
-]
-
 # Where a target's wrappers are recorded, in its own __dict__: {(owner, name): Wrapper}.
 RECORD = "__te_ckpt_placement_wrappers__"
 _ANY = object()

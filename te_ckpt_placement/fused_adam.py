@@ -24,8 +24,6 @@ except ImportError as exc:
 from . import _wrap, te_hooks
 from .policy import Placement, as_placement
 
-__all__ = ["FusedAdam"]
-
 
 class FusedAdam(_TEFusedAdam):
     """Transformer Engine ``FusedAdam`` whose checkpoints follow ``state_dict_placement``.

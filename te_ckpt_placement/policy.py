@@ -21,15 +21,6 @@ from typing import Any, Literal, NamedTuple, TypeVar
 
 import torch
 
-__all__ = [
-    "Placement",
-    "as_placement",
-    "current_placement",
-    "export_placement",
-    "on_enter",
-    "resolve_placement",
-]
-
 VALID_CONVERSIONS = ("host", "device")
 
 _F = TypeVar("_F", bound=Callable[..., Any])

@@ -26,8 +26,6 @@ from typing import Literal
 
 import torch
 
-__all__ = ["TransferReport", "last_report", "logger"]
-
 #: The package's logger. It has a NullHandler and no level of its own: it says nothing unless the
 #: application configures logging (``logging.getLogger("te_ckpt_placement").setLevel("INFO")``
 #: and a handler, or ``logging.basicConfig(level=logging.INFO)``).

@@ -34,24 +34,6 @@ from . import engine, reports
 from ._versions import installed
 from .policy import Placement
 
-__all__ = [
-    "STATE_NAMES",
-    "Contract",
-    "ContractError",
-    "StateFacts",
-    "check_contract",
-    "check_live",
-    "check_saved",
-    "describe_state",
-    "has_contract",
-    "is_remainder",
-    "local_of",
-    "state_facts",
-    "stored_dtype",
-    "stream_state_dict",
-    "te_version",
-]
-
 STATE_NAMES = ("exp_avg", "exp_avg_sq", "master_param")
 
 # Instance attributes of FusedAdam that the export and the load read (see the module docstring).

@@ -35,8 +35,6 @@ from .te_contract import (
 )
 from .te_load import note_loaded, stream_load_state_dict
 
-__all__ = ["install", "is_installed", "uninstall"]
-
 TE_OPTIMIZER_MODULE = "transformer_engine.pytorch.optimizers.fused_adam"
 
 # The owner of TE's hooks among the wrappers of te_ckpt_placement._wrap; _wrap.original(cls, name)

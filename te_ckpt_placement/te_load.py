@@ -32,33 +32,17 @@ from typing import Any
 import torch
 
 from . import _te_cost, _te_load_check, reports
-from ._te_initial_states import (
-    group_steps,
-    initialize_states,
-    initialized_for_load,
-    note_loaded,
-    take_back_initial_states,
-)
-from ._te_load_check import Job, check_value, checked_jobs, job, plan_load
-from ._te_load_write import PartialLoadError, _Rollback, _write_all
+from ._te_initial_states import group_steps as group_steps
+from ._te_initial_states import initialize_states as initialize_states
+from ._te_initial_states import initialized_for_load as initialized_for_load
+from ._te_initial_states import note_loaded
+from ._te_initial_states import take_back_initial_states as take_back_initial_states
+from ._te_load_check import Job, checked_jobs, job
+from ._te_load_check import check_value as check_value
+from ._te_load_check import plan_load as plan_load
+from ._te_load_write import PartialLoadError as PartialLoadError
+from ._te_load_write import _Rollback, _write_all
 from .te_contract import Contract
-
-__all__ = [
-    "PartialLoadError",
-    "check_states",
-    "check_value",
-    "group_steps",
-    "initialize_states",
-    "initialized_for_load",
-    "load_state",
-    "load_states",
-    "note_loaded",
-    "plan_load",
-    "post_hooks_deferred",
-    "stream_load_state_dict",
-    "take_back_initial_states",
-    "write_prepared",
-]
 
 
 @contextmanager

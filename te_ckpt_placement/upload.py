@@ -9,14 +9,9 @@ Transformer Engine.
 
 from __future__ import annotations
 
-from ._convert import bf16_copy_is_vectorized, write_device
-from ._tensors import may_overlap, memory_order, row_blocks, te_layout_like
-
-__all__ = [
-    "bf16_copy_is_vectorized",
-    "may_overlap",
-    "memory_order",
-    "row_blocks",
-    "te_layout_like",
-    "write_device",
-]
+from ._convert import bf16_copy_is_vectorized as bf16_copy_is_vectorized
+from ._convert import write_device as write_device
+from ._tensors import may_overlap as may_overlap
+from ._tensors import memory_order as memory_order
+from ._tensors import row_blocks as row_blocks
+from ._tensors import te_layout_like as te_layout_like

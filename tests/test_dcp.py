@@ -32,7 +32,8 @@ from torch.distributed.checkpoint.staging import (
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 
-from te_ckpt_placement import PassThroughStager, PlacedOptimizerState, export_placement
+from te_ckpt_placement import export_placement
+from te_ckpt_placement.dcp import PassThroughStager, PlacedOptimizerState
 from te_ckpt_placement.dcp._handshake import merge_part
 from te_ckpt_placement.engine import is_exported
 

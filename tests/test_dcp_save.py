@@ -30,9 +30,10 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-from te_ckpt_placement import PassThroughStager, Placement, engine, export_placement
+from te_ckpt_placement import Placement, engine, export_placement
 from te_ckpt_placement.dcp import (
     LazyState,
+    PassThroughStager,
     PlacedOptimizerState,
     SnapshotStager,
     StreamingWriter,

@@ -33,7 +33,7 @@ pytest.importorskip("accelerate")
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 from te_ckpt_placement import Placement, current_placement, export_placement  # noqa: E402
-from te_ckpt_placement.integrations import hf  # noqa: E402
+from te_ckpt_placement.integrations import FrameworkMethodError, hf  # noqa: E402
 from te_ckpt_placement.integrations._methods import placed_methods  # noqa: E402
 
 from .support.integration_probe import CPU, CallLog, ProbeAdamW, adam_steps  # noqa: E402
@@ -345,7 +345,7 @@ def test_place_trainer_without_a_required_method_is_an_error() -> None:
         _load_optimizer_and_scheduler = None  # type: ignore[assignment]
 
     trainer = RenamedTrainer()
-    with pytest.raises(hf.FrameworkMethodError) as info:
+    with pytest.raises(FrameworkMethodError) as info:
         hf.place_trainer(trainer)
     message = str(info.value)
     assert "_load_optimizer_and_scheduler (resume" in message

@@ -30,6 +30,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint  
 from lightning.pytorch.strategies import SingleDeviceStrategy  # noqa: E402
 
 from te_ckpt_placement import Placement, current_placement, export_placement  # noqa: E402
+from te_ckpt_placement.integrations import FrameworkMethodError  # noqa: E402
 from te_ckpt_placement.integrations import lightning as tl  # noqa: E402
 from te_ckpt_placement.integrations._methods import methods_owner, placed_methods  # noqa: E402
 
@@ -546,7 +547,7 @@ def test_strategy_missing_a_method_is_an_error() -> None:
     class Renamed(SingleDeviceStrategy):  # a release that renamed the resume method
         load_optimizer_state_dict = None  # type: ignore[assignment]
 
-    with pytest.raises(tl.FrameworkMethodError) as info:
+    with pytest.raises(FrameworkMethodError) as info:
 
         class Placed(tl.PlacementStrategyMixin, Renamed):
             pass
@@ -555,7 +556,7 @@ def test_strategy_missing_a_method_is_an_error() -> None:
     assert "load_optimizer_state_dict (resume" in message
     assert "Lightning" in message and pl.__version__ in message
     strategy = Renamed(device="cpu")
-    with pytest.raises(tl.FrameworkMethodError, match="load_optimizer_state_dict"):
+    with pytest.raises(FrameworkMethodError, match="load_optimizer_state_dict"):
         tl.place_strategy(strategy)
     assert placed_methods(strategy) == ()
     with pytest.raises(TypeError, match="Lightning Trainer strategy"):

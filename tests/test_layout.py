@@ -319,3 +319,88 @@ def test_no_import_cycle_among_the_package_modules() -> None:
     cycles = import_cycles(import_graph(ROOT))
     assert cycles <= KNOWN_CYCLES, f"import circles: {sorted(cycles - KNOWN_CYCLES)}"
     assert not KNOWN_CYCLES - cycles, f"broken, drop from KNOWN_CYCLES: {KNOWN_CYCLES - cycles}"
+
+
+#: The modules whose ``__all__`` is the documented API (docs/api.md); every other module of the
+#: package has no ``__all__``.
+PUBLIC_MODULES = {
+    "te_ckpt_placement",
+    "te_ckpt_placement.dcp",
+    "te_ckpt_placement.integrations",
+    "te_ckpt_placement.integrations.hf",
+    "te_ckpt_placement.integrations.lightning",
+    "te_ckpt_placement.integrations.pytorch_lightning",
+    "te_ckpt_placement.integrations.automodel",
+    "te_ckpt_placement.integrations.megatron",
+}
+#: ``pytorch_lightning`` repeats ``lightning``'s names for the standalone package (each module
+#: imports its own framework), so they count once for "one import path" and twice in the total.
+MIRRORS = {
+    "te_ckpt_placement.integrations.pytorch_lightning": "te_ckpt_placement.integrations.lightning"
+}
+MAX_PUBLIC_NAMES = 70
+MAX_LINES = 600
+
+
+def all_lists(root: Path) -> dict[str, list[str]]:
+    """Each module of the package under ``root`` that has an ``__all__`` -> its names."""
+    found: dict[str, list[str]] = {}
+    for path in sorted((root / "te_ckpt_placement").rglob("*.py")):
+        for node in ast.parse(path.read_text(), filename=str(path)).body:
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+                parts = list(path.relative_to(root).with_suffix("").parts)
+                name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+                found[name] = list(ast.literal_eval(node.value))
+    return found
+
+
+def test_only_the_public_modules_have_an_all() -> None:
+    lists = all_lists(ROOT)
+    extra, missing = sorted(set(lists) - PUBLIC_MODULES), sorted(PUBLIC_MODULES - set(lists))
+    assert not extra and not missing, f"__all__ in the public modules only: {extra=}, {missing=}"
+
+
+def test_every_public_name_is_documented_and_has_one_import_path() -> None:
+    """Issue 22: each public ``__all__`` name is in docs/api.md and exported by one module only."""
+    lists = all_lists(ROOT)
+    api = (ROOT / "docs" / "api.md").read_text()
+    undocumented = [
+        f"{mod}.{name}" for mod, names in lists.items() for name in names if f"`{name}" not in api
+    ]
+    assert not undocumented, f"document these in docs/api.md or drop them: {undocumented}"
+    paths: dict[str, list[str]] = {}
+    for mod, names in lists.items():
+        if mod in MIRRORS:
+            assert sorted(names) == sorted(lists[MIRRORS[mod]]), (mod, MIRRORS[mod])
+            continue
+        for name in names:
+            paths.setdefault(name, []).append(mod)
+    several = {name: mods for name, mods in paths.items() if len(mods) > 1}
+    assert not several, f"one import path per public name: {several}"
+    total = sum(len(names) for names in lists.values())
+    assert total <= MAX_PUBLIC_NAMES, (
+        f"{total} public names in __all__ lists (at most {MAX_PUBLIC_NAMES})"
+    )
+
+
+def test_the_surface_checks_find_what_they_look_for(tmp_path: Path) -> None:
+    pkg = tmp_path / "te_ckpt_placement"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text('__all__ = ["a", "b"]\n')
+    (pkg / "_private.py").write_text("__all__ = ['c']\nx = 1\n")
+    (pkg / "sub" / "__init__.py").write_text("x: int = 1\n")
+    assert all_lists(tmp_path) == {
+        "te_ckpt_placement": ["a", "b"],
+        "te_ckpt_placement._private": ["c"],
+    }
+    assert "te_ckpt_placement.integrations.lightning" in all_lists(ROOT)
+
+
+def test_no_package_file_is_over_600_lines() -> None:
+    long = {
+        str(path.relative_to(ROOT)): n
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"split these package files (at most {MAX_LINES} lines): {long}"

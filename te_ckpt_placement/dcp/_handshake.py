@@ -11,8 +11,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-__all__ = ["LoadSession", "StreamingLoadWarning", "StreamingTemplate", "merge_part"]
-
 
 class StreamingLoadWarning(UserWarning):
     """A streaming load fell back to the template path, or went over its assembly budget."""

@@ -31,8 +31,6 @@ if TYPE_CHECKING:
     from ..te_contract import Contract
     from ._load_targets import _Target
 
-__all__ = ["Assembly", "buffer_dtype"]
-
 
 def buffer_dtype(target: _Target) -> torch.dtype:
     """The dtype of a state's assembly buffer: what TE's export holds and its load takes."""

@@ -42,15 +42,6 @@ from .._tree import iter_tree, map_tree
 from ..policy import Placement, as_placement, export_placement
 from ..te_contract import Contract, has_contract, local_of
 
-__all__ = [
-    "LazyState",
-    "ProductionStats",
-    "is_lazy",
-    "lazy_optimizer_state_dict",
-    "production_stats",
-    "resolve_loaded",
-]
-
 StateDict = dict[str, Any]
 
 #: A lazily produced state dict warns once when this many produced states, holding at least

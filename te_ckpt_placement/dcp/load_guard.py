@@ -21,8 +21,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Progress", "StoppedLoad", "arm", "lift"]
-
 
 @dataclass(eq=False)
 class Progress:

@@ -68,8 +68,6 @@ from ._load_targets import (
 from .assembly import Assembly
 from .state import PlacedOptimizerState
 
-__all__ = ["StreamingLoadPlanner", "StreamingLoadWarning"]
-
 #: What a load that stopped part-way leaves, and what to do (load_guard refuses step()).
 _MIXED = (
     "The optimizer mixes checkpoint and previous values, and its step() refuses to run until a "

@@ -29,8 +29,6 @@ from torch.distributed.tensor import DTensor
 from .. import _pool, _ring, engine
 from .lazy_state import LazyState, _Ledger, lazy_of, rewrap
 
-__all__ = ["SnapshotStager", "SnapshotStats"]
-
 StateDict = dict[str, Any]
 
 

@@ -14,8 +14,6 @@ from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, Sta
 
 from ..engine import is_exported
 
-__all__ = ["PassThroughStager"]
-
 StateDict = dict[str, Any]
 # What an AsyncStager.stage returns: the staged dict, or a Future of it (asynchronous staging).
 Staged = StateDict | Future[StateDict]

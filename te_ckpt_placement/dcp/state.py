@@ -21,8 +21,6 @@ from ..policy import Placement, as_placement, export_placement
 from ._handshake import LoadSession, StreamingLoadWarning, StreamingTemplate, merge_part
 from .lazy_state import lazy_optimizer_state_dict, resolve_loaded
 
-__all__ = ["PlacedOptimizerState"]
-
 StateDict = dict[str, Any]
 
 ModelParts = torch.nn.Module | Sequence[torch.nn.Module]

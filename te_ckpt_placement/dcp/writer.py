@@ -39,8 +39,6 @@ from .. import engine
 from .lazy_state import released_after_write
 from .snapshot_stager import SnapshotStager
 
-__all__ = ["StreamingWriter"]
-
 _POLL_SECONDS = 0.1
 _TAG_DIGITS = 12
 # The names write_data gives data files: torch's rank prefix, the save's tag, the file's number.

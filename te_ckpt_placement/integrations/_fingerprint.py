@@ -19,8 +19,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["SAMPLES", "fingerprint"]
-
 #: Elements hashed per tensor, evenly spaced from its first to its last.
 SAMPLES = 16
 

@@ -20,8 +20,6 @@ import torch
 
 from . import _resume
 
-__all__ = ["host_barrier", "host_group", "load_full", "load_sharded"]
-
 
 @contextlib.contextmanager
 def host_group(*, timeout: datetime.timedelta | None = None) -> Iterator[Any]:

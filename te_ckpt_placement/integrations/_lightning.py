@@ -33,20 +33,6 @@ from ._methods import (
     unplace_methods,
 )
 
-__all__ = [
-    "FABRIC_METHODS",
-    "LIGHTNING",
-    "STRATEGY_METHODS",
-    "TRAINER_METHODS",
-    "FrameworkMethodError",
-    "callback_class",
-    "PlacementCallbackLogic",
-    "PlacementStrategyMixin",
-    "place_strategy",
-    "strategy_placement",
-    "unplace_strategy",
-]
-
 # The framework as error messages name it, with the version this integration was tested with.
 LIGHTNING = Framework(
     "Lightning", ("lightning", "pytorch-lightning", "lightning-fabric"), tested="2.6.6"

@@ -32,24 +32,6 @@ import torch
 from .. import _wrap
 from ..policy import Placement, as_placement, export_placement
 
-__all__ = [
-    "Framework",
-    "FrameworkMethodError",
-    "Method",
-    "PlacedMethod",
-    "as_methods",
-    "PlacementLike",
-    "call_placed",
-    "check_methods",
-    "hook_class_method",
-    "methods_owner",
-    "place_methods",
-    "placed_methods",
-    "placement_of",
-    "placing",
-    "unplace_methods",
-]
-
 # Where one object's placement record lives, in that object's __dict__ (its wrappers are
 # te_ckpt_placement._wrap's, of owner OWNER).
 RECORD_ATTR = "_te_ckpt_placement_methods"

@@ -27,14 +27,6 @@ import torch
 
 from ..policy import current_placement
 
-__all__ = [
-    "host_load",
-    "initialized",
-    "optimizers_in",
-    "shared_host_threads",
-    "streaming",
-]
-
 
 def streaming() -> bool:
     """True inside a policy that streams (``export_placement("cpu")``)."""

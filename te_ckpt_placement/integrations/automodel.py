@@ -36,7 +36,6 @@ from typing import Any
 from te_ckpt_placement.integrations import _resume
 from te_ckpt_placement.integrations._methods import (
     Framework,
-    FrameworkMethodError,
     Method,
     PlacementLike,
     check_methods,
@@ -47,7 +46,6 @@ from te_ckpt_placement.policy import as_placement
 __all__ = [
     "AUTOMODEL",
     "READY_MADE",
-    "FrameworkMethodError",
     "PlacementRecipeMixin",
     "main",
     "placement_recipe",

@@ -63,7 +63,6 @@ from transformers import Trainer
 from . import _fsdp2_load, _resume
 from ._methods import (
     Framework,
-    FrameworkMethodError,
     Method,
     PlacementLike,
     check_methods,
@@ -75,7 +74,6 @@ from ._methods import (
 __all__ = [
     "PLACED_METHODS",
     "TRANSFORMERS",
-    "FrameworkMethodError",
     "PlacementTrainer",
     "PlacementTrainerMixin",
     "place_trainer",
