@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from .support.imports import PUBLIC_MODULES
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)\s]*)?\)")
@@ -40,18 +42,6 @@ def test_performance_page_is_generated_from_committed_results(tmp_path: Path) ->
     assert (tmp_path / "page.md").read_text() == page.read_text(), (
         "docs/performance.md is stale: run python benchmarks/report.py --docs"
     )
-
-
-PUBLIC_MODULES = [
-    "te_ckpt_placement",
-    "te_ckpt_placement.dcp",
-    "te_ckpt_placement.integrations",
-    "te_ckpt_placement.integrations.hf",
-    "te_ckpt_placement.integrations.lightning",
-    "te_ckpt_placement.integrations.pytorch_lightning",
-    "te_ckpt_placement.integrations.automodel",
-    "te_ckpt_placement.integrations.megatron",
-]
 
 
 @pytest.mark.parametrize("module", PUBLIC_MODULES)

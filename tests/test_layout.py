@@ -22,6 +22,12 @@ from pathlib import Path
 import pytest
 
 from . import conftest
+from .support.imports import (
+    PUBLIC_MODULES,
+    import_cycles,
+    import_graph,
+    imports,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
@@ -34,31 +40,6 @@ SOURCES = sorted(
 ) + sorted((ROOT / "examples").glob("*.py"))
 TEST_MODULES = sorted(TESTS.rglob("test_*.py"))
 GPU_MARKERS = {"gpu", "multigpu"}
-
-
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def imports(path: Path) -> list[tuple[int, str, list[str]]]:
-    """(line, absolute module, imported names) of every import statement in ``path``."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    name = module_name(path)
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found: list[tuple[int, str, list[str]]] = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name, []) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                module = ".".join([*base, *([node.module] if node.module else [])])
-            else:
-                module = node.module or ""
-            found.append((node.lineno, module, [alias.name for alias in node.names]))
-    return found
 
 
 def is_test_module(module: str) -> bool:
@@ -212,84 +193,6 @@ PACKAGE = ROOT / "te_ckpt_placement"
 KNOWN_CYCLES: set[tuple[str, ...]] = set()
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return ast.unparse(test) in {"TYPE_CHECKING", "typing.TYPE_CHECKING"}
-
-
-def import_graph(root: Path) -> dict[str, set[str]]:
-    """Each module of the package under ``root`` -> the package modules it imports, inside
-    functions too; ``TYPE_CHECKING``-only imports are left out (they never run).
-    ``from pkg import mod`` counts as importing ``mod``, not ``pkg``."""
-    paths = sorted((root / "te_ckpt_placement").rglob("*.py"))
-
-    def name_of(path: Path) -> str:
-        parts = list(path.relative_to(root).with_suffix("").parts)
-        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-    modules = {name_of(p) for p in paths}
-    graph: dict[str, set[str]] = {}
-    for path in paths:
-        tree = ast.parse(path.read_text(), filename=str(path))
-        skipped = {
-            id(inner)
-            for node in ast.walk(tree)
-            if isinstance(node, ast.If) and _is_type_checking(node.test)
-            for stmt in node.body
-            for inner in ast.walk(stmt)
-        }
-        name = name_of(path)
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        found: set[str] = set()
-        for node in ast.walk(tree):
-            if id(node) in skipped:
-                continue
-            if isinstance(node, ast.Import):
-                found |= {alias.name for alias in node.names}
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package.split(".")
-                    base = base[: len(base) - (node.level - 1)]
-                    module = ".".join([*base, *([node.module] if node.module else [])])
-                else:
-                    module = node.module or ""
-                subs = {f"{module}.{alias.name}" for alias in node.names} & modules
-                found |= subs or {module}
-        graph[name] = found & modules
-    return graph
-
-
-def import_cycles(graph: dict[str, set[str]]) -> set[tuple[str, ...]]:
-    """Every import circle of ``graph``: its strongly connected components, each sorted."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    cycles: set[tuple[str, ...]] = set()
-
-    def visit(node: str) -> None:  # Tarjan's algorithm
-        index[node] = low[node] = len(index)
-        stack.append(node)
-        for nxt in sorted(graph.get(node, ())):
-            if nxt not in index:
-                visit(nxt)
-                low[node] = min(low[node], low[nxt])
-            elif nxt in stack:
-                low[node] = min(low[node], index[nxt])
-        if low[node] == index[node]:
-            component = []
-            while True:
-                member = stack.pop()
-                component.append(member)
-                if member == node:
-                    break
-            if len(component) > 1 or node in graph.get(node, ()):
-                cycles.add(tuple(sorted(component)))
-
-    for node in sorted(graph):
-        if node not in index:
-            visit(node)
-    return cycles
-
-
 def test_the_import_cycle_check_finds_cycles(tmp_path: Path) -> None:
     pkg = tmp_path / "te_ckpt_placement"
     (pkg / "sub").mkdir(parents=True)
@@ -321,18 +224,6 @@ def test_no_import_cycle_among_the_package_modules() -> None:
     assert not KNOWN_CYCLES - cycles, f"broken, drop from KNOWN_CYCLES: {KNOWN_CYCLES - cycles}"
 
 
-#: The modules whose ``__all__`` is the documented API (docs/api.md); every other module of the
-#: package has no ``__all__``.
-PUBLIC_MODULES = {
-    "te_ckpt_placement",
-    "te_ckpt_placement.dcp",
-    "te_ckpt_placement.integrations",
-    "te_ckpt_placement.integrations.hf",
-    "te_ckpt_placement.integrations.lightning",
-    "te_ckpt_placement.integrations.pytorch_lightning",
-    "te_ckpt_placement.integrations.automodel",
-    "te_ckpt_placement.integrations.megatron",
-}
 #: ``pytorch_lightning`` repeats ``lightning``'s names for the standalone package (each module
 #: imports its own framework), so they count once for "one import path" and twice in the total.
 MIRRORS = {
@@ -357,7 +248,10 @@ def all_lists(root: Path) -> dict[str, list[str]]:
 
 def test_only_the_public_modules_have_an_all() -> None:
     lists = all_lists(ROOT)
-    extra, missing = sorted(set(lists) - PUBLIC_MODULES), sorted(PUBLIC_MODULES - set(lists))
+    extra, missing = (
+        sorted(set(lists) - set(PUBLIC_MODULES)),
+        sorted(set(PUBLIC_MODULES) - set(lists)),
+    )
     assert not extra and not missing, f"__all__ in the public modules only: {extra=}, {missing=}"
 
 

@@ -34,6 +34,7 @@ from te_ckpt_placement import (
 )
 
 from .support.helpers import aliases_live, exported_tensors, live_storages
+from .support.imports import import_graph
 from .support.standin import StandInFusedAdam, make_optimizer, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -393,18 +394,8 @@ def test_package_logger_has_a_null_handler() -> None:
 
 def package_imports(module: str) -> set[str]:
     """The package modules ``module`` imports anywhere in its source (functions included)."""
-    import ast
-
-    path = ROOT / "te_ckpt_placement" / f"{module}.py"
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level:
-            names = [node.module] if node.module else [a.name for a in node.names]
-            found.update(n.split(".")[0] for n in names)
-        elif isinstance(node, ast.Import | ast.ImportFrom):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
-            found.update(n for n in names if n and n.startswith("te_ckpt_placement"))
-    return found
+    found = import_graph()[f"te_ckpt_placement.{module}"]
+    return {name.removeprefix("te_ckpt_placement.") for name in found}
 
 
 def test_reports_and_the_leaf_helpers_import_nothing_of_the_package() -> None:
