@@ -1,7 +1,7 @@
 """A/B of the streaming load's staging chunk and host thread count against T*_load.
 
-The load pipeline (``te_ckpt_placement.upload``) converts each chunk of the checkpoint on the
-host into a pinned staging buffer of ``_ring.CHUNK_BYTES`` while the previous chunk is copied to
+The load pipeline (``te_ckpt_placement._ring.Uploader``) converts each chunk of the checkpoint on
+the host into a pinned staging buffer of ``_ring.CHUNK_BYTES`` while the previous chunk is copied to
 the GPU. This times ``load_state_dict`` under ``export_placement("cpu")`` of one host checkpoint
 with each staging chunk size and torch thread count, in interleaved rounds, and checks every
 load bit for bit against TE's own load of the same checkpoint. T*_load = max(R / B_h2d,

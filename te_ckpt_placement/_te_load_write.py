@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import _ring, _te_cost, reports, upload
+from . import _convert, _ring, _te_cost, _tensors, reports
 from ._te_load_check import Job
 from .te_contract import StateFacts, check_live, local_of
 
@@ -50,7 +50,7 @@ def _reusable(optimizer: Any, facts: StateFacts, param: torch.Tensor, live: Any)
     stored = facts.raw(live)
     if check_live(facts, stored) is not None:
         return None
-    if upload.memory_order(stored) is None:
+    if _tensors.memory_order(stored) is None:
         return None
     if facts.te_dtype != torch.float32 and facts.name not in optimizer._scales.get(param, {}):
         return None
@@ -248,13 +248,13 @@ def _write_one(
         if value.device.type == "cpu":
             uploader(dst.device).write(dst, value)
         else:
-            upload.write_device(dst, value)
+            _convert.write_device(dst, value)
         return
     # FP16 and FP8: TE scales on the state's device (_apply_scale, L276-310), from one FP32 copy
     # of the state; it moves a value from elsewhere there itself (L296) and scales a value
     # already there where it is, FP16 in place (L307).
     if value.device.type == "cpu" and (
-        device.type != "cpu" or upload.memory_order(value) is not None
+        device.type != "cpu" or _tensors.memory_order(value) is not None
     ):
         # The pinned pipeline. On a GPU into one contiguous FP32 copy: TE's scaling there is
         # elementwise plus an exact absmax, so the layout cannot change a bit, and a strided
@@ -262,7 +262,7 @@ def _write_one(
         # the layout TE's move would give, as host arithmetic can depend on it.
         up = uploader(device)
         strides = (
-            upload.te_layout_like(value, torch.float32)
+            _tensors.te_layout_like(value, torch.float32)
             if device.type == "cpu"
             else torch.empty(value.shape, device="meta").stride()
         )
@@ -296,7 +296,7 @@ def _copy_as_is(t: torch.Tensor) -> torch.Tensor:
     can hold) gets a contiguous copy instead: TE scales in place (L307), which torch refuses on
     such a tensor, and TE's move to the state's device (L296) makes the same dense copy.
     """
-    if upload.may_overlap(t):
+    if _tensors.may_overlap(t):
         out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
     else:
         out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)

@@ -20,7 +20,6 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from . import _convert, _pool, _ring, reports
-from ._convert import fp32_value as fp32_value  # shim, removed in P6
 from ._tensors import local, memory_order, to_cpu_dtensor
 
 Kind = Literal["copy", "upcast", "scaled", "fp8", "device"]
