@@ -289,8 +289,8 @@ def blank(tree: Any) -> None:
 # --- measurement --------------------------------------------------------------------------------
 def counting_pass_through() -> Any:
     """A PassThroughStager that counts the exported tensors it handed on without a copy."""
+    from te_ckpt_placement._export import is_exported
     from te_ckpt_placement.dcp import PassThroughStager
-    from te_ckpt_placement.engine import is_exported
 
     class Counting(PassThroughStager):
         passed = 0
@@ -316,8 +316,8 @@ def streaming_load(model: Any, opt: Any, path: str) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+    from te_ckpt_placement._te_contract import te_version
     from te_ckpt_placement.dcp import PlacedOptimizerState, StreamingLoadPlanner
-    from te_ckpt_placement.te_contract import te_version
 
     adapter = PlacedOptimizerState(model, opt)
     state = {"model": get_model_state_dict(model), "optim": adapter}
@@ -404,7 +404,7 @@ class RankBench:
         self.args = args
         self.rank = dist.get_rank()
         if SMOKE:
-            from te_ckpt_placement import te_hooks
+            from te_ckpt_placement import _te_hooks as te_hooks
             from tests.support.standin import StandInFusedAdam
 
             te_hooks.patch_class(StandInFusedAdam)  # the stand-in follows the policy, as TE does

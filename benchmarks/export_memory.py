@@ -789,7 +789,7 @@ def prepare_host(cuda: bool, plan: list[Case]) -> dict[str, float]:
     if cuda:
         warm_host(min(64 * G, 12 * max(n for n, *_ in plan)))
         return bandwidths()
-    from te_ckpt_placement import te_hooks
+    from te_ckpt_placement import _te_hooks as te_hooks
     from tests.support.standin import StandInFusedAdam
 
     te_hooks.patch_class(StandInFusedAdam)  # the policy drives the stand-in, as TE once hooked

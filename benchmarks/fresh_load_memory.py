@@ -224,7 +224,7 @@ def one_rank_group(smoke: bool) -> Iterator[None]:
     """A 1-rank default process group (gloo on the CPU; gloo and NCCL on a GPU), TE hooked."""
     import torch.distributed as dist
 
-    from te_ckpt_placement import te_hooks
+    from te_ckpt_placement import _te_hooks as te_hooks
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

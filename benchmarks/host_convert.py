@@ -28,18 +28,22 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_engine(rev: str | None) -> ModuleType:
-    """``te_ckpt_placement/engine.py`` of this tree, or of git revision ``rev``, as a module."""
+    """``te_ckpt_placement/_export.py`` of this tree, or of git revision ``rev``, as a module."""
     if rev is None:
-        from te_ckpt_placement import engine
+        from te_ckpt_placement import _export as engine
 
         return engine
-    source = subprocess.run(
-        ["git", "show", f"{rev}:te_ckpt_placement/engine.py"],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
+    for name in ("_export.py", "engine.py"):  # the module's name before and after the renames
+        shown = subprocess.run(
+            ["git", "show", f"{rev}:te_ckpt_placement/{name}"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
+        if shown.returncode == 0:
+            break
+    shown.check_returncode()
+    source = shown.stdout
     path = Path(tempfile.mkdtemp()) / f"engine_{rev}.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location(f"engine_{rev}", path)

@@ -364,7 +364,7 @@ class Env:
             install()
             self.optimizer_cls: Any = FusedAdam
         else:
-            from te_ckpt_placement import te_hooks
+            from te_ckpt_placement import _te_hooks as te_hooks
             from tests.support.standin import StandInFusedAdam
 
             te_hooks.patch_class(StandInFusedAdam)

@@ -15,14 +15,14 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from . import _pool
+from ._policy import Placement, current_placement, export_placement
+from ._reports import TransferReport, last_report
+from ._te_contract import ContractError
+from ._te_hooks import install, is_installed, uninstall
 from ._te_load_write import PartialLoadError
-from .policy import Placement, current_placement, export_placement
-from .reports import TransferReport, last_report
-from .te_contract import ContractError
-from .te_hooks import install, is_installed, uninstall
 
 if TYPE_CHECKING:
-    from .fused_adam import FusedAdam as FusedAdam
+    from ._fused_adam import FusedAdam as FusedAdam
 
 # FusedAdam is not listed: `from te_ckpt_placement import *` must work without TE installed.
 __all__ = [
@@ -64,7 +64,7 @@ def __dir__() -> list[str]:
 
 def __getattr__(name: str) -> Any:
     if name == "FusedAdam":
-        from .fused_adam import FusedAdam as FusedAdam
+        from ._fused_adam import FusedAdam as FusedAdam
 
         return FusedAdam
     raise AttributeError(f"module 'te_ckpt_placement' has no attribute {name!r}")

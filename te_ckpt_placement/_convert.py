@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from . import reports
+from . import _reports as reports
 from ._tensors import te_layout_like
 
 

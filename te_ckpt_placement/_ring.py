@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from . import _pool, reports
+from . import _pool
+from . import _reports as reports
 from ._convert import bf16_copy_is_vectorized
 from ._convert import to_bf16 as _to_bf16
 from ._tensors import memory_order, row_blocks

@@ -1,7 +1,7 @@
 """TE's own device cost of the work a report counts: what its load would have allocated.
 
 Computed from the states' shapes, dtypes and devices (TE 2.20.2 fused_adam.py), for
-:class:`~te_ckpt_placement.reports.TransferReport`'s ``te_gpu_bytes`` of a load.
+:class:`~te_ckpt_placement._reports.TransferReport`'s ``te_gpu_bytes`` of a load.
 """
 
 from __future__ import annotations

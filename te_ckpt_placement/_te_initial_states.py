@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
+from ._te_contract import Contract, StateFacts, local_of
 from ._te_load_write import _plain
-from .te_contract import Contract, StateFacts, local_of
 
 # How many loads each optimizer has completed (streaming or TE's own, through the hooks), so that
 # initial states built for a load that then loads nothing can be taken back.

@@ -2,7 +2,7 @@
 
 Everything a load refuses is refused here, with the ``ValueError`` that names it, before the
 optimizer changes; :mod:`te_ckpt_placement._te_load_write` then writes the :class:`Job` s these
-checks return. The dtype rules are :mod:`te_ckpt_placement.te_contract`'s (``check_saved``).
+checks return. The dtype rules are :mod:`te_ckpt_placement._te_contract`'s (``check_saved``).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import engine
-from .te_contract import STATE_NAMES, Contract, StateFacts, check_saved, local_of, state_facts
+from . import _export as engine
+from ._te_contract import STATE_NAMES, Contract, StateFacts, check_saved, local_of, state_facts
 
 
 def _load_error(index: object, name: str | None, problem: str) -> ValueError:

@@ -17,9 +17,10 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import _convert, _ring, _te_cost, _tensors, reports
+from . import _convert, _ring, _te_cost, _tensors
+from . import _reports as reports
+from ._te_contract import StateFacts, check_live, local_of
 from ._te_load_check import Job
-from .te_contract import StateFacts, check_live, local_of
 
 
 class PartialLoadError(RuntimeError):

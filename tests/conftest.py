@@ -60,7 +60,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture
 def hooked_standin() -> Iterator[None]:
     """The CPU stand-in's state_dict/load_state_dict follow the policy, as TE's do once hooked."""
-    from te_ckpt_placement import te_hooks
+    from te_ckpt_placement import _te_hooks as te_hooks
 
     from .support.standin import StandInFusedAdam
 

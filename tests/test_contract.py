@@ -19,8 +19,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import te_ckpt_placement
-from te_ckpt_placement import export_placement, te_contract, te_load
-from te_ckpt_placement.dcp import PlacedOptimizerState, StreamingLoadPlanner, lazy_state
+from te_ckpt_placement import _te_contract as te_contract
+from te_ckpt_placement import _te_load as te_load
+from te_ckpt_placement import export_placement
+from te_ckpt_placement.dcp import PlacedOptimizerState, StreamingLoadPlanner
+from te_ckpt_placement.dcp import _lazy_state as lazy_state
 
 from .support.backends import CPU
 from .support.dcp_load_checks import load_run, no_template
@@ -109,7 +112,7 @@ def test_export_and_loads_make_one_contract_and_each_fact_once(asked: Asked) -> 
 def test_only_contract_of_checks_the_contract() -> None:
     """Every check of an operation is its Contract's: no module calls check_contract itself."""
     modules = [m for name, m in sys.modules.items() if name.startswith("te_ckpt_placement.")]
-    assert te_ckpt_placement.te_load in modules
+    assert te_ckpt_placement._te_load in modules
     holding = sorted(
         m.__name__
         for m in modules

@@ -33,9 +33,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from torch.distributed.device_mesh import DeviceMesh
 
 from te_ckpt_placement import export_placement
+from te_ckpt_placement._export import is_exported
 from te_ckpt_placement.dcp import PassThroughStager, PlacedOptimizerState
 from te_ckpt_placement.dcp._handshake import merge_part
-from te_ckpt_placement.engine import is_exported
 
 from .support.backends import CPU
 from .support.dcp_checks import ASYNC_SAVE_DEFAULTS, run_all_checks

@@ -37,14 +37,15 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
-from te_ckpt_placement import _ring, _te_load_check, export_placement, reports
+from te_ckpt_placement import _reports as reports
+from te_ckpt_placement import _ring, _te_load_check, export_placement
 from te_ckpt_placement.dcp import (
     PlacedOptimizerState,
     StreamingLoadPlanner,
     StreamingLoadWarning,
     _load_targets,
-    load_planner,
 )
+from te_ckpt_placement.dcp import _load_planner as load_planner
 
 from .support.backends import CPU
 from .support.dcp_load_checks import (

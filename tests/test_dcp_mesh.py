@@ -26,7 +26,7 @@ from .support.mesh_checks import (
 
 
 def _worker(rank: int, port: int, root: str) -> None:
-    from te_ckpt_placement import te_hooks
+    from te_ckpt_placement import _te_hooks as te_hooks
 
     from .support.standin import StandInFusedAdam
 

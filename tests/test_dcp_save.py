@@ -30,7 +30,8 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-from te_ckpt_placement import Placement, engine, export_placement
+from te_ckpt_placement import Placement, export_placement
+from te_ckpt_placement import _export as engine
 from te_ckpt_placement.dcp import (
     LazyState,
     PassThroughStager,
@@ -42,9 +43,9 @@ from te_ckpt_placement.dcp import (
     production_stats,
     resolve_loaded,
 )
-from te_ckpt_placement.dcp import lazy_state as lazy_state_module
-from te_ckpt_placement.dcp import writer as writer_module
-from te_ckpt_placement.dcp.lazy_state import released_after_write
+from te_ckpt_placement.dcp import _lazy_state as lazy_state_module
+from te_ckpt_placement.dcp import _writer as writer_module
+from te_ckpt_placement.dcp._lazy_state import released_after_write
 
 from .support import dcp_save_checks as checks
 from .support.backends import CPU

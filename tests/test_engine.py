@@ -8,18 +8,11 @@ import math
 import pytest
 import torch
 
-from te_ckpt_placement import (
-    Placement,
-    _pool,
-    _ring,
-    _wrap,
-    engine,
-    export_placement,
-    pinned_pool_bytes,
-    te_contract,
-    te_hooks,
-)
-from te_ckpt_placement.engine import StateSource, materialize
+from te_ckpt_placement import Placement, _pool, _ring, _wrap, export_placement, pinned_pool_bytes
+from te_ckpt_placement import _export as engine
+from te_ckpt_placement import _te_contract as te_contract
+from te_ckpt_placement import _te_hooks as te_hooks
+from te_ckpt_placement._export import StateSource, materialize
 
 from .support.helpers import (
     aliases_live,

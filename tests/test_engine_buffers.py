@@ -12,14 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from te_ckpt_placement import (
-    _pool,
-    _ring,
-    engine,
-    export_placement,
-    pinned_pool_bytes,
-    release_buffers,
-)
+from te_ckpt_placement import _export as engine
+from te_ckpt_placement import _pool, _ring, export_placement, pinned_pool_bytes, release_buffers
 
 from .support.helpers import assert_same_export, exported_tensors
 from .support.standin import StandInFusedAdam, make_optimizer, train

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from te_ckpt_placement import _convert, export_placement
-from te_ckpt_placement.engine import StateSource, materialize
+from te_ckpt_placement._export import StateSource, materialize
 
 from .support import denormals
 from .support.helpers import exported_tensors

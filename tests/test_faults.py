@@ -16,8 +16,8 @@ from te_ckpt_placement import (
     current_placement,
     export_placement,
     pinned_pool_bytes,
-    te_load,
 )
+from te_ckpt_placement import _te_load as te_load
 
 from .support.faults import FAULTS, assert_view_equal, nth_call_raises, optimizer_view
 from .support.helpers import assert_same_export, assert_snapshot_equal, snapshot
@@ -242,7 +242,7 @@ def _rss() -> int:
 def test_load_host_peak_is_bounded_without_rollback_and_a_full_copy_with_it() -> None:
     """Issue 11 item 2: a streamed load's own host peak is <= 256 MiB plus one chunk's
     temporaries (the checkpoint excluded); rollback=True costs a full host copy (R bytes)."""
-    from te_ckpt_placement.te_load import initialize_states
+    from te_ckpt_placement._te_load import initialize_states
 
     n = 48 << 20  # elements: 96 MiB BF16 moments, 96 MiB int16 remainders
     param = torch.nn.Parameter(torch.zeros(n, dtype=torch.bfloat16))

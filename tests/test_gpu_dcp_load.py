@@ -83,7 +83,8 @@ def _bounds_worker(rank: int, port: int, root: str, results: str | None) -> None
 
     from benchmarks.dcp_e2e import build, fingerprint, local, train_step
     from benchmarks.export_memory import HostPeak, rss
-    from te_ckpt_placement.dcp import PlacedOptimizerState, StreamingLoadPlanner, load_planner
+    from te_ckpt_placement.dcp import PlacedOptimizerState, StreamingLoadPlanner
+    from te_ckpt_placement.dcp import _load_planner as load_planner
 
     _init(rank, port)
     try:

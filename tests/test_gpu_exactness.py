@@ -12,8 +12,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from te_ckpt_placement import Placement, export_placement, install, te_contract
-from te_ckpt_placement.engine import materialize
+from te_ckpt_placement import Placement, export_placement, install
+from te_ckpt_placement import _te_contract as te_contract
+from te_ckpt_placement._export import materialize
 
 from .support import denormals
 from .support.helpers import assert_same_export, bits, exported_tensors

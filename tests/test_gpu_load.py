@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from te_ckpt_placement import _ring, _te_load_write, export_placement, install, te_load
+from te_ckpt_placement import _ring, _te_load_write, export_placement, install
+from te_ckpt_placement import _te_load as te_load
 
 from .support.faults import nth_call_raises
 from .support.helpers import bits, peak_extra
@@ -276,7 +277,7 @@ def test_fault_part_way_with_and_without_rollback(
 
 
 def test_load_states_entry_point_equals_te_load() -> None:
-    from te_ckpt_placement.te_load import load_state, load_states
+    from te_ckpt_placement._te_load import load_state, load_states
 
     mode = MODES[7]  # FP8 moments, FP32 masters: both pipelines
     checkpoint = host_checkpoint(mode)

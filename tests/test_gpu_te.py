@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-from te_ckpt_placement import Placement, _wrap, export_placement, install, te_contract
-from te_ckpt_placement.engine import materialize
+from te_ckpt_placement import Placement, _wrap, export_placement, install
+from te_ckpt_placement import _te_contract as te_contract
+from te_ckpt_placement._export import materialize
 
 from .support.helpers import (
     aliases_live,

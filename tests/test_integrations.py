@@ -512,7 +512,8 @@ def test_resume_initialize_equals_te_initialize_state(
 ) -> None:
     # The initial states built in place (TE's _initialize_state for every state, FP32 masters
     # copied from the parameters) are TE's initialize_state bit for bit, FP16 moments included.
-    from te_ckpt_placement import export_placement, te_load
+    from te_ckpt_placement import _te_load as te_load
+    from te_ckpt_placement import export_placement
     from te_ckpt_placement.integrations import _resume
 
     from .support.helpers import assert_snapshot_equal, snapshot
@@ -1120,7 +1121,7 @@ def test_initialize_states_takes_back_what_it_made_when_it_fails(
 ) -> None:
     # Out of memory (or an interrupt) part-way: no state or scale stays, so the next attempt
     # and TE's step see a fresh optimizer, not one with half its states.
-    from te_ckpt_placement import te_load
+    from te_ckpt_placement import _te_load as te_load
 
     from .support.faults import nth_call_raises
     from .support.standin import make_optimizer

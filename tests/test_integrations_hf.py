@@ -489,7 +489,7 @@ def fsdp2_rank(rank: int, port: int, out: str, state_dict_type: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from te_ckpt_placement import te_hooks
+    from te_ckpt_placement import _te_hooks as te_hooks
     from te_ckpt_placement.integrations import _resume
 
     from .support.helpers import bits, local

@@ -31,7 +31,8 @@ import pytest
 import torch
 
 import te_ckpt_placement
-from te_ckpt_placement import ContractError, Placement, engine, export_placement
+from te_ckpt_placement import ContractError, Placement, export_placement
+from te_ckpt_placement import _export as engine
 from te_ckpt_placement.integrations import megatron
 from te_ckpt_placement.integrations._methods import placed_methods
 
@@ -628,7 +629,7 @@ def test_a_replaced_method_is_left_in_place_on_unplace(api: SimpleNamespace) -> 
 def _two_rank_worker(rank: int, port: int, with_real: bool) -> None:
     import torch.distributed as dist
 
-    from te_ckpt_placement import te_hooks
+    from te_ckpt_placement import _te_hooks as te_hooks
 
     te_hooks.patch_class(StandInFusedAdam)
     dist.init_process_group(
@@ -740,7 +741,7 @@ def test_the_gpu_peak_breakdown_replays_the_allocator_trace() -> None:
     bench = _benchmark()
     torch_dir, ours = "/sp/torch/", "/repo/te_ckpt_placement/"
     gather = _frames(torch_dir + "distributed/c10d.py", "/sp/megatron/distrib_optimizer.py")
-    mine = _frames(ours + "engine.py", torch_dir + "x.py")
+    mine = _frames(ours + "_export.py", torch_dir + "x.py")
     trace = [
         {"action": "free_requested", "addr": 9, "size": 40},  # allocated before the call
         {"action": "alloc", "addr": 1, "size": 100, "frames": gather},
@@ -757,7 +758,7 @@ def test_the_gpu_peak_breakdown_replays_the_allocator_trace() -> None:
     assert live["owned_bytes"] == {"te_ckpt_placement": 30}
     assert [(s["site"], s["bytes"]) for s in live["by_site"]] == [
         ("/sp/megatron/distrib_optimizer.py:2 f1", 100),
-        ("/repo/te_ckpt_placement/engine.py:1 f0", 30),
+        ("/repo/te_ckpt_placement/_export.py:1 f0", 30),
     ]
     assert [b["bytes"] for b in live["largest"]] == [100, 30]
     assert live["largest"][0]["frames"][0] == "/sp/torch/distributed/c10d.py:1 f0"

@@ -10,10 +10,10 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
+from te_ckpt_placement._te_contract import te_version
 from te_ckpt_placement._tree import iter_tree, map_tree
 from te_ckpt_placement._versions import installed
 from te_ckpt_placement.integrations import megatron
-from te_ckpt_placement.te_contract import te_version
 
 
 class Pair(NamedTuple):

@@ -247,7 +247,7 @@ def test_initialize_states_then_load_equals_torch_fake_step_then_load(
 ) -> None:
     from torch.distributed.checkpoint.state_dict import _init_optim_state
 
-    from te_ckpt_placement.te_load import initialize_states
+    from te_ckpt_placement._te_load import initialize_states
 
     ours, ref = build(moments, master), build(moments, master)
     assert initialize_states(ours)
@@ -275,7 +275,7 @@ def test_initialize_states_then_load_equals_torch_fake_step_then_load(
 
 
 def test_initialize_states_skips_when_grads_exist() -> None:
-    from te_ckpt_placement.te_load import initialize_states
+    from te_ckpt_placement._te_load import initialize_states
 
     opt = build(torch.bfloat16, "fp32")
     first = opt.param_groups[0]["params"][0]
@@ -294,7 +294,7 @@ def test_initialize_states_is_te_initialize_state_without_its_copy_of_each_param
     and then widens the copy for its master (6 B per element of a 16-bit parameter, 4 of an FP32
     one, whatever the moments); here an FP32 master is copied from the parameter in place, and
     an FP16 master, which TE scales by its absmax, made from one FP32 copy of it."""
-    from te_ckpt_placement.te_load import initialize_states
+    from te_ckpt_placement._te_load import initialize_states
 
     from .support.allocations import Allocations
 
@@ -673,7 +673,7 @@ def test_load_state_of_an_overlapping_value_is_te_load_of_its_dense_copy(
     moments: torch.dtype, master: str
 ) -> None:
     # The per-state entry point of the DCP StreamingLoadPlanner (its FP16/FP8 writes).
-    from te_ckpt_placement.te_load import load_state
+    from te_ckpt_placement._te_load import load_state
 
     source = trained(moments, master, seed=1)
     with export_placement("cpu"):
@@ -768,7 +768,7 @@ def test_post_hooks_run_after_the_states_are_written() -> None:
 
 @pytest.mark.parametrize(("moments", "master"), list(itertools.product(MOMENTS, MASTERS)))
 def test_load_states_equals_te_load(small_chunks: None, moments: Any, master: str) -> None:
-    from te_ckpt_placement.te_load import load_state, load_states
+    from te_ckpt_placement._te_load import load_state, load_states
 
     source = build_large(moments, master, seed=0)
     with export_placement("cpu"):
@@ -786,7 +786,7 @@ def test_load_states_equals_te_load(small_chunks: None, moments: Any, master: st
 
 
 def test_load_states_validates_everything_first() -> None:
-    from te_ckpt_placement.te_load import load_states
+    from te_ckpt_placement._te_load import load_states
 
     target = trained(torch.bfloat16, "fp32", 2)
     p0, p1 = target.param_groups[0]["params"]
@@ -965,7 +965,8 @@ def test_uploader_fp32_and_int16_equal_te_copies(
 def test_load_states_rollback_puts_replaced_states_back(monkeypatch: pytest.MonkeyPatch) -> None:
     # load_states writes into the parameters' own dicts; a state it replaced (here one whose
     # strided layout cannot be written in place) must come back, object and bits.
-    from te_ckpt_placement import _te_load_write, te_load
+    from te_ckpt_placement import _te_load as te_load
+    from te_ckpt_placement import _te_load_write
 
     gen = torch.Generator().manual_seed(0)
     p1, p2 = (torch.nn.Parameter(torch.randn(64, generator=gen)) for _ in range(2))

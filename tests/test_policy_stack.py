@@ -18,7 +18,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from te_ckpt_placement import ContractError, Placement, current_placement, export_placement, policy
+from te_ckpt_placement import ContractError, Placement, current_placement, export_placement
+from te_ckpt_placement import _policy as policy
 
 CPU, DEFAULT = Placement(device="cpu"), Placement(device=None)
 POLICY_FILE = export_placement.__enter__.__code__.co_filename
@@ -41,7 +42,7 @@ class Interrupt:
     """A trace function that raises KeyboardInterrupt at the n-th interrupt point of the policy.
 
     CPython runs signal handlers only on entering a function (RESUME), on a backward jump and
-    right after a call returns. The points are all of those in the policy's code (policy.py and
+    right after a call returns. The points are all of those in the policy's code (_policy.py and
     the frame tuple's constructor), but one: the entry of ``__exit__``, before any of its code
     runs, which no Python code can guard. A trace function that raises is unset, so each run
     injects exactly one interrupt.

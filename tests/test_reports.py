@@ -22,16 +22,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import te_ckpt_placement
-from te_ckpt_placement import (
-    _ring,
-    _te_cost,
-    _te_load_write,
-    engine,
-    export_placement,
-    last_report,
-    reports,
-    te_load,
-)
+from te_ckpt_placement import _export as engine
+from te_ckpt_placement import _reports as reports
+from te_ckpt_placement import _ring, _te_cost, _te_load_write, export_placement, last_report
+from te_ckpt_placement import _te_load as te_load
 
 from .support.helpers import aliases_live, exported_tensors, live_storages
 from .support.imports import import_graph
@@ -365,7 +359,8 @@ def test_one_info_line_per_operation(caplog: pytest.LogCaptureFixture) -> None:
 def test_silent_by_default() -> None:
     code = (
         "import logging, torch\n"
-        "from te_ckpt_placement import export_placement, last_report, te_hooks\n"
+        "from te_ckpt_placement import export_placement, last_report\n"
+        "from te_ckpt_placement import _te_hooks as te_hooks\n"
         "from tests.support.standin import StandInFusedAdam, make_optimizer, train\n"
         "te_hooks.patch_class(StandInFusedAdam)\n"
         "opt = make_optimizer([torch.nn.Parameter(torch.randn(8))], moments=torch.bfloat16)\n"
@@ -401,10 +396,10 @@ def package_imports(module: str) -> set[str]:
 def test_reports_and_the_leaf_helpers_import_nothing_of_the_package() -> None:
     # The engine reports its own temporaries, so reports needs no layout rule of the load's
     # pipeline: no engine -> reports -> upload -> engine circle, not even through a lazy import.
-    assert package_imports("reports") == set()
+    assert package_imports("_reports") == set()
     assert package_imports("_tensors") == set()
     assert package_imports("_te_cost") == {"_tensors"}
-    assert package_imports("_convert") == {"_tensors", "reports"}
+    assert package_imports("_convert") == {"_tensors", "_reports"}
 
 
 # --- threads --------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""te_ckpt_placement/te_hooks.py's hooking machinery against a fake ``transformer_engine`` on disk.
+"""te_ckpt_placement/_te_hooks.py's hooking machinery against a fake ``transformer_engine`` on disk.
 
 The scenarios (``tests/support/te_scenarios.py``) run in fresh Python processes, because hooking
 TE's class, the import watcher and ``install()``/``uninstall()`` change global import state that

@@ -16,7 +16,7 @@ See docs/dcp.md for which to use when. Importing this package imports
 torch.distributed.checkpoint, not Transformer Engine.
 """
 
-from .lazy_state import (
+from ._lazy_state import (
     LazyState,
     ProductionStats,
     is_lazy,
@@ -24,11 +24,11 @@ from .lazy_state import (
     production_stats,
     resolve_loaded,
 )
-from .load_planner import StreamingLoadPlanner, StreamingLoadWarning
-from .snapshot_stager import SnapshotStager, SnapshotStats
-from .stager import PassThroughStager
-from .state import PlacedOptimizerState
-from .writer import StreamingWriter
+from ._load_planner import StreamingLoadPlanner, StreamingLoadWarning
+from ._pass_through import PassThroughStager
+from ._snapshot import SnapshotStager, SnapshotStats
+from ._state import PlacedOptimizerState
+from ._writer import StreamingWriter
 
 __all__ = [
     "LazyState",

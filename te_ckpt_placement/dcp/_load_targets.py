@@ -27,8 +27,8 @@ from torch.distributed.checkpoint.planner_helpers import (
 from torch.distributed.checkpoint.state_dict import StateDictOptions, _get_fqns, _verify_options
 from torch.distributed.tensor import DTensor
 
-from .. import te_load
-from ..te_contract import (
+from .. import _te_load as te_load
+from .._te_contract import (
     STATE_NAMES,
     Contract,
     ContractError,
@@ -37,11 +37,11 @@ from ..te_contract import (
     check_saved,
     local_of,
 )
-from . import load_guard
+from . import _load_guard as load_guard
 
 if TYPE_CHECKING:
-    from .load_planner import StreamingLoadPlanner
-    from .state import PlacedOptimizerState
+    from ._load_planner import StreamingLoadPlanner
+    from ._state import PlacedOptimizerState
 
 
 class _CannotStreamError(Exception):

@@ -118,7 +118,7 @@ def load_full(model: Any, optimizer: Any, path: str, options: Any, group: Any) -
     The ranks agree before any of them changes its optimizer: if reading or checking the
     checkpoint fails on one rank, every rank raises and none has loaded anything. A TE
     FusedAdam's states are checked as its streaming load checks them
-    (:func:`te_ckpt_placement.te_load.check_value`: int16 master remainders against FP32
+    (:func:`te_ckpt_placement._te_load.check_value`: int16 master remainders against FP32
     masters, integer or complex states, ...), before the copy into the template would cast
     them. The ranks also compare a fingerprint of what they read
     (:func:`~te_ckpt_placement.integrations._fingerprint.fingerprint`: steps, structure, dtypes,
@@ -227,14 +227,14 @@ def _state_check(model: Any, optimizer: Any) -> Callable[[str, str, Any], None] 
     """``check(fqn, name, value)``: the streaming load's check of a checkpoint value as state
     ``name`` of the parameter ``fqn`` of a TE FusedAdam (:func:`te_load.check_value`, the same
     rule and message); None for another optimizer, whose own load casts its states."""
-    from ..te_contract import has_contract
+    from .._te_contract import has_contract
 
     inner = _resume._unwrap(optimizer)
     if not has_contract(inner):
         return None
     from torch.distributed.checkpoint.state_dict import _get_fqns
 
-    from ..te_load import check_value
+    from .._te_load import check_value
 
     # The FQNs torch's get_optimizer_state_dict names the optimizer's parameters by.
     params = {

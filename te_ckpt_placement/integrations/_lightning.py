@@ -16,7 +16,7 @@ import os
 from typing import Any, ClassVar
 
 from .. import _wrap
-from ..policy import Placement, as_placement
+from .._policy import Placement, as_placement
 from . import _resume
 from ._methods import (
     Framework,

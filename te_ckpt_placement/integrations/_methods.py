@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 import torch
 
 from .. import _wrap
-from ..policy import Placement, as_placement, export_placement
+from .._policy import Placement, as_placement, export_placement
 
 # Where one object's placement record lives, in that object's __dict__ (its wrappers are
 # te_ckpt_placement._wrap's, of owner OWNER).

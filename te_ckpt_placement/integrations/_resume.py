@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..policy import current_placement
+from .._policy import current_placement
 
 
 def streaming() -> bool:
@@ -136,7 +136,7 @@ def initialized(optimizers: Iterable[Any]) -> Iterator[None]:
 
     torch then skips its fake step. The states are TE's own initial values (zero moments,
     masters copied from the parameters, the group's step counted), made by
-    :func:`te_ckpt_placement.te_load.initialized_for_load`, which takes them back if the block
+    :func:`te_ckpt_placement._te_load.initialized_for_load`, which takes them back if the block
     loads nothing into that optimizer (a fresh run: frameworks call their resume method then
     too), so training starts as it would without the integration. Optimizers that are not TE
     FusedAdam, or that already have state or gradients, are left alone (torch's own behaviour
@@ -144,8 +144,8 @@ def initialized(optimizers: Iterable[Any]) -> Iterator[None]:
     """
     with contextlib.ExitStack() as stack:
         if streaming():
-            from ..te_contract import has_contract
-            from ..te_load import initialized_for_load
+            from .._te_contract import has_contract
+            from .._te_load import initialized_for_load
 
             for optimizer in optimizers:
                 inner = _unwrap(optimizer)

@@ -32,6 +32,8 @@ import importlib
 import sys
 from typing import Any
 
+from te_ckpt_placement._policy import as_placement
+
 # Absolute imports: the module also runs as a script (Automodel's torchrun launchers).
 from te_ckpt_placement.integrations import _resume
 from te_ckpt_placement.integrations._methods import (
@@ -41,7 +43,6 @@ from te_ckpt_placement.integrations._methods import (
     check_methods,
     placing,
 )
-from te_ckpt_placement.policy import as_placement
 
 __all__ = [
     "AUTOMODEL",

@@ -28,7 +28,7 @@ Transformers' own resume):
   the optimizer's load runs. The integration reads it into host memory instead (memory-mapped
   when training on a GPU), and the placed load streams it in.
 - accelerate FSDP2: TE FusedAdam's states are built directly
-  (:func:`te_ckpt_placement.te_load.initialize_states`), so torch's fake optimizer step is
+  (:func:`te_ckpt_placement._te_load.initialize_states`), so torch's fake optimizer step is
   skipped. A ``SHARDED_STATE_DICT`` checkpoint loads through accelerate's calls with DCP's
   planning collectives on a host (gloo) group; a ``FULL_STATE_DICT`` ``optimizer.bin`` is
   memory-mapped on every rank, which copies its own shard of each state on the host, instead

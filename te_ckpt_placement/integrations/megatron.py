@@ -54,8 +54,11 @@ from typing import Any
 
 import torch
 
-from .. import _wrap, engine, te_contract, te_load
-from ..policy import Placement, as_placement, current_placement
+from .. import _export as engine
+from .. import _te_contract as te_contract
+from .. import _te_load as te_load
+from .. import _wrap
+from .._policy import Placement, as_placement, current_placement
 from ._methods import PlacementLike, place_methods, unplace_methods
 
 __all__ = [

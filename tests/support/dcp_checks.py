@@ -39,8 +39,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from te_ckpt_placement import export_placement
+from te_ckpt_placement._export import is_exported
 from te_ckpt_placement.dcp import PassThroughStager, PlacedOptimizerState
-from te_ckpt_placement.engine import is_exported
 
 from .backends import Backend
 from .dcp_runs import (

@@ -32,7 +32,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from te_ckpt_placement import export_placement, reports
+from te_ckpt_placement import _reports as reports
+from te_ckpt_placement import export_placement
 from te_ckpt_placement.dcp import StreamingLoadPlanner, StreamingLoadWarning
 
 from .backends import Backend

@@ -31,7 +31,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from te_ckpt_placement import engine, export_placement
+from te_ckpt_placement import _export as engine
+from te_ckpt_placement import export_placement
 from te_ckpt_placement.dcp import (
     PlacedOptimizerState,
     SnapshotStager,
@@ -40,7 +41,7 @@ from te_ckpt_placement.dcp import (
     lazy_optimizer_state_dict,
     production_stats,
 )
-from te_ckpt_placement.dcp import lazy_state as lazy_state_module
+from te_ckpt_placement.dcp import _lazy_state as lazy_state_module
 
 from . import distributed
 from .backends import Backend

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from te_ckpt_placement import te_hooks
+from te_ckpt_placement import _te_hooks as te_hooks
 
 from .helpers import snapshot
 from .standin import StandInFusedAdam

@@ -101,7 +101,7 @@ def _standin_te() -> None:
     from megatron.core.optimizer import distrib_optimizer
     from packaging.version import Version
 
-    from te_ckpt_placement import te_hooks
+    from te_ckpt_placement import _te_hooks as te_hooks
     from tests.support.standin import StandInFusedAdam, _join_remainder, _split_remainder
 
     class MegatronStandInFusedAdam(StandInFusedAdam):

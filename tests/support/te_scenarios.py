@@ -40,10 +40,10 @@ from te_ckpt_placement import (
     export_placement,
     install,
     is_installed,
-    te_contract,
-    te_hooks,
     uninstall,
 )
+from te_ckpt_placement import _te_contract as te_contract
+from te_ckpt_placement import _te_hooks as te_hooks
 
 from .fake_te import VERSION as FAKE_VERSION
 from .helpers import (
@@ -653,7 +653,7 @@ def class_contract_error_names_attribute_and_version() -> None:
 @scenario("package")
 def package_fused_adam_against_fake_te() -> None:
     assert not te_loaded(), "import te_ckpt_placement imported transformer_engine"
-    assert "te_ckpt_placement.fused_adam" not in sys.modules
+    assert "te_ckpt_placement._fused_adam" not in sys.modules
     PackageFusedAdam = te_ckpt_placement.FusedAdam  # noqa: N806  (a class)
     assert te_loaded()
     from transformer_engine.pytorch.optimizers.fused_adam import FusedAdam as TEFusedAdam

@@ -4,7 +4,7 @@ The hooks replace the two methods on TE's class (``transformer_engine.pytorch.op
 .fused_adam.FusedAdam``, TE 2.20.2 L482 and L515,
 https://github.com/NVIDIA/TransformerEngine/blob/v2.20.2/transformer_engine/pytorch/optimizers/fused_adam.py)
 with functions that run TE's own method, the streaming export of
-:mod:`te_ckpt_placement.te_contract` or the streaming load of :mod:`te_ckpt_placement.te_load`,
+:mod:`te_ckpt_placement._te_contract` or the streaming load of :mod:`te_ckpt_placement._te_load`,
 as the policy in effect says. Importing this module does not import TE: TE's class is hooked once
 TE's optimizer module is loaded, either when a policy is entered (this module registers that with
 the policy) or, if TE is imported later, right after that import.
@@ -24,16 +24,17 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from . import _wrap, policy
-from .policy import Placement
-from .te_contract import (
+from . import _policy as policy
+from . import _wrap
+from ._policy import Placement
+from ._te_contract import (
     REQUIRED_CLASS_ATTRS,
     ContractError,
     missing_attrs,
     raise_contract,
     stream_state_dict,
 )
-from .te_load import note_loaded, stream_load_state_dict
+from ._te_load import note_loaded, stream_load_state_dict
 
 TE_OPTIMIZER_MODULE = "transformer_engine.pytorch.optimizers.fused_adam"
 

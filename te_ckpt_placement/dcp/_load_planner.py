@@ -54,9 +54,12 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import _init_state_dict
 from torch.distributed.checkpoint.state_dict import _unflatten_optim_state_dict
 
-from .. import _ring, te_load
+from .. import _ring
+from .. import _te_load as te_load
 from .._convert import Slot as _Slot
-from . import _load_targets, load_guard
+from . import _load_guard as load_guard
+from . import _load_targets
+from ._assembly import Assembly
 from ._handshake import StreamingLoadWarning, StreamingTemplate, merge_part
 from ._load_targets import (
     _build_load,
@@ -65,8 +68,7 @@ from ._load_targets import (
     _OptimizerLoad,
     _Target,
 )
-from .assembly import Assembly
-from .state import PlacedOptimizerState
+from ._state import PlacedOptimizerState
 
 #: What a load that stopped part-way leaves, and what to do (load_guard refuses step()).
 _MIXED = (

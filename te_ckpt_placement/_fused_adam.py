@@ -21,8 +21,9 @@ except ImportError as exc:
         "te_ckpt_placement import fine; they only act on TE's optimizer."
     ) from exc
 
-from . import _wrap, te_hooks
-from .policy import Placement, as_placement
+from . import _te_hooks as te_hooks
+from . import _wrap
+from ._policy import Placement, as_placement
 
 
 class FusedAdam(_TEFusedAdam):

@@ -3,7 +3,7 @@
 The policy lives in a :mod:`contextvars` variable, so every thread and every asyncio task sees only
 the policy it entered itself: the innermost block still open in it. Nothing here imports the rest
 of the package or Transformer Engine: entering a policy runs the hooks registered with
-:func:`on_enter`, through which :mod:`te_ckpt_placement.te_hooks` hooks TE's class if TE's
+:func:`on_enter`, through which :mod:`te_ckpt_placement._te_hooks` hooks TE's class if TE's
 optimizer module is (or later gets) imported.
 """
 
@@ -63,7 +63,7 @@ class Placement:
         rollback: What a streaming ``load_state_dict`` does when it fails part-way, after the
             checkpoint was validated (a device error, an allocation failure, a
             KeyboardInterrupt). ``False`` (default) costs nothing: the load raises
-            ``te_ckpt_placement.te_load.PartialLoadError`` (a KeyboardInterrupt propagates with
+            ``te_ckpt_placement._te_load.PartialLoadError`` (a KeyboardInterrupt propagates with
             a note) saying how many states were written; the optimizer then holds a mix of old
             and loaded states, and loading the same checkpoint again repairs it. ``True`` puts
             the previous state back exactly, at the price of a host copy of every live state

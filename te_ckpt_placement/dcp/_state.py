@@ -17,9 +17,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ..policy import Placement, as_placement, export_placement
+from .._policy import Placement, as_placement, export_placement
 from ._handshake import LoadSession, StreamingLoadWarning, StreamingTemplate, merge_part
-from .lazy_state import lazy_optimizer_state_dict, resolve_loaded
+from ._lazy_state import lazy_optimizer_state_dict, resolve_loaded
 
 StateDict = dict[str, Any]
 

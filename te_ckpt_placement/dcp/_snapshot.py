@@ -26,8 +26,9 @@ import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
-from .. import _pool, _ring, engine
-from .lazy_state import LazyState, _Ledger, lazy_of, rewrap
+from .. import _export as engine
+from .. import _pool, _ring
+from ._lazy_state import LazyState, _Ledger, lazy_of, rewrap
 
 StateDict = dict[str, Any]
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 
-from ..engine import is_exported
+from .._export import is_exported
 
 StateDict = dict[str, Any]
 # What an AsyncStager.stage returns: the staged dict, or a Future of it (asynchronous staging).
@@ -101,7 +101,7 @@ class PassThroughStager(AsyncStager):
     references or writes (the optimizer keeps its own live states, and a later export makes new
     tensors). Copying it again would only double the host memory and time of the save, so this
     stager passes those tensors (and DTensors wrapping them) through as they are. It recognises
-    them with :func:`te_ckpt_placement.engine.is_exported`; a view of one, a model weight, a GPU
+    them with :func:`te_ckpt_placement._export.is_exported`; a view of one, a model weight, a GPU
     tensor or any other CPU tensor is not exported and is staged by the inner stager as usual.
     The nested structure of the state dict is kept.
 

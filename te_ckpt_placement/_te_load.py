@@ -15,8 +15,8 @@ chunk k+1 overlapped with the copy of chunk k, no GPU memory), FP16 and FP8 stat
 ``set_scaled_state`` on one FP32 device copy of the state, and device-resident checkpoints on the
 device, one state at a time. The result is TE's load bit for bit. It reads TE's private
 ``_scales`` (L214, L452) and calls ``_initialize_state`` (L397-455) where TE's load would create a
-state, and uses the storage rule of :mod:`te_ckpt_placement.te_contract`, whose facts about each
-state (:class:`~te_ckpt_placement.te_contract.Contract`) are computed once per load.
+state, and uses the storage rule of :mod:`te_ckpt_placement._te_contract`, whose facts about each
+state (:class:`~te_ckpt_placement._te_contract.Contract`) are computed once per load.
 
 This module holds the entry points; the checks are in :mod:`._te_load_check`, the writes in
 :mod:`._te_load_write`, a fresh optimizer's initial states in :mod:`._te_initial_states`.
@@ -31,7 +31,9 @@ from typing import Any
 
 import torch
 
-from . import _te_cost, _te_load_check, reports
+from . import _reports as reports
+from . import _te_cost, _te_load_check
+from ._te_contract import Contract
 from ._te_initial_states import group_steps as group_steps
 from ._te_initial_states import initialize_states as initialize_states
 from ._te_initial_states import initialized_for_load as initialized_for_load
@@ -42,7 +44,6 @@ from ._te_load_check import check_value as check_value
 from ._te_load_check import plan_load as plan_load
 from ._te_load_write import PartialLoadError as PartialLoadError
 from ._te_load_write import _Rollback, _write_all
-from .te_contract import Contract
 
 
 @contextmanager
@@ -178,7 +179,7 @@ def load_state(optimizer: Any, param: torch.Tensor, name: str, value: Any) -> No
     from the host through the pinned pipeline. A failure after validation leaves that one state
     partly written; writing it again repairs it. See :func:`load_states`. It reports nothing of
     its own (one report per state would drown a DCP load's): inside a running operation it
-    counts towards that one (:mod:`te_ckpt_placement.reports`).
+    counts towards that one (:mod:`te_ckpt_placement._reports`).
     """
     _load_states(Contract.of(optimizer), [(param, name, value)], rollback=False)
 

@@ -19,7 +19,8 @@ from typing import Any, Literal
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import _convert, _pool, _ring, reports
+from . import _convert, _pool, _ring
+from . import _reports as reports
 from ._tensors import local, memory_order, to_cpu_dtensor
 
 Kind = Literal["copy", "upcast", "scaled", "fp8", "device"]

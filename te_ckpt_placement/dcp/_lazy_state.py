@@ -37,10 +37,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-from .. import _tensors, engine
+from .. import _export as engine
+from .. import _tensors
+from .._policy import Placement, as_placement, export_placement
+from .._te_contract import Contract, has_contract, local_of
 from .._tree import iter_tree, map_tree
-from ..policy import Placement, as_placement, export_placement
-from ..te_contract import Contract, has_contract, local_of
 
 StateDict = dict[str, Any]
 

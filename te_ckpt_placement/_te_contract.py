@@ -30,9 +30,10 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import engine, reports
+from . import _export as engine
+from . import _reports as reports
+from ._policy import Placement
 from ._versions import installed
-from .policy import Placement
 
 STATE_NAMES = ("exp_avg", "exp_avg_sq", "master_param")
 

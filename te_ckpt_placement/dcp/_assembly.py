@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .. import te_load
+from .. import _te_load as te_load
 
 if TYPE_CHECKING:
-    from ..te_contract import Contract
+    from .._te_contract import Contract
     from ._load_targets import _Target
 
 

@@ -35,9 +35,9 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from .. import engine
-from .lazy_state import released_after_write
-from .snapshot_stager import SnapshotStager
+from .. import _export as engine
+from ._lazy_state import released_after_write
+from ._snapshot import SnapshotStager
 
 _POLL_SECONDS = 0.1
 _TAG_DIGITS = 12
