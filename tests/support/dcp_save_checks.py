@@ -754,8 +754,10 @@ def check_process_async(
     modes: list[tuple[torch.dtype, str]],
     *,
     saves: int = 2,
+    kind: Any = None,
 ) -> None:
-    """``dcp.async_save(..., async_checkpointer_type=PROCESS)`` staged by one SnapshotStager,
+    """``dcp.async_save(..., async_checkpointer_type=kind)`` (default PROCESS) staged by one
+    SnapshotStager,
     with StreamingWriter and torch's FileSystemWriter: the writer process reads the snapshot
     only after the test trained a step and dropped everything of the save but the response,
     and the files hold TE's export at the save point; only raw bytes are staged, into shared
@@ -764,6 +766,7 @@ def check_process_async(
 
     from .process_save import GatedFileSystemWriter, GatedStreamingWriter
 
+    kind = AsyncCheckpointerType.PROCESS if kind is None else kind
     stager = SnapshotStager()
     for i, (moments, master) in enumerate(modes):
         writer_type = (GatedStreamingWriter, GatedFileSystemWriter)[i % 2]
@@ -773,8 +776,8 @@ def check_process_async(
         for n in range(saves):
             label = f"{where} save {n}"
             ref = case.reference()
-            path = root / f"process{i}_{n}"
-            gate = root / f"process{i}_{n}.gate"
+            path = root / f"process{kind.value}{i}_{n}"
+            gate = root / f"process{kind.value}{i}_{n}.gate"
             response = dcp.async_save(
                 {
                     "model": get_model_state_dict(case.model),
@@ -782,7 +785,7 @@ def check_process_async(
                 },
                 storage_writer=writer_type(path, gate),
                 async_stager=stager,
-                async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                async_checkpointer_type=kind,
                 process_group=pg,
             )
             report = stager.last_report
