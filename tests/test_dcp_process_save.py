@@ -60,7 +60,9 @@ def forking_round_trip(obj: Any) -> Any:
     return pickle.loads(buf.getvalue())
 
 
-@pytest.mark.parametrize(("moments", "master"), [(BF16, "remainder"), (FP16, "fp32"), (FP8, "fp32")])
+@pytest.mark.parametrize(
+    ("moments", "master"), [(BF16, "remainder"), (FP16, "fp32"), (FP8, "fp32")]
+)
 def test_snapshot_states_pickle_as_shared_memory_without_the_optimizer(
     moments: torch.dtype, master: str
 ) -> None:
@@ -111,7 +113,9 @@ def test_streaming_placeholders_keep_refusing_to_be_pickled() -> None:
     case = plain_case(BF16, "fp32")
     state = next(s for s in tensors(case.lazy()) if is_lazy(s))
     for dump in (pickle.dumps, forking_round_trip):
-        with pytest.raises(TypeError, match="live optimizer state cannot be pickled.*SnapshotStager"):
+        with pytest.raises(
+            TypeError, match=r"live optimizer state cannot be pickled.*SnapshotStager"
+        ):
             dump(state)
 
 
@@ -219,7 +223,9 @@ def test_host_budget_warns_once_per_save_path(
             staged = SnapshotStager().stage({"optim": case.lazy()})
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-                dcp.save(staged, storage_writer=StreamingWriter(tmp_path / f"budget{n}"), no_dist=True)
+                dcp.save(
+                    staged, storage_writer=StreamingWriter(tmp_path / f"budget{n}"), no_dist=True
+                )
     messages = budget_warnings(caught)
     assert [m.split(" save ")[0] for m in messages] == [
         "te_ckpt_placement: this snapshot",

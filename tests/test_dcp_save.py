@@ -173,7 +173,7 @@ def test_lazy_state_refuses_what_it_cannot_do() -> None:
             op()
     with pytest.raises(TypeError, match="SnapshotStager"):
         copy.deepcopy(lazy)
-    with pytest.raises(TypeError, match="cannot be pickled.*SnapshotStager"):
+    with pytest.raises(TypeError, match=r"cannot be pickled.*SnapshotStager"):
         pickle.dumps(state)
     # torch's stagers copy every tensor: staging a lazy dict through them fails loudly.
     with pytest.raises(TypeError, match="SnapshotStager"):
@@ -573,6 +573,7 @@ def _worker(rank: int, port: int, root: str) -> None:
         checks.check_streaming_save(CPU, mesh, base, [(BF16, "remainder"), (FP16, "fp32")])
         checks.check_stock_writers(CPU, mesh, base)
         checks.check_snapshot_async(CPU, mesh, pgs, base, [(BF16, "remainder"), (FP16, "fp32")])
+        checks.check_process_async(CPU, mesh, pgs[0], base, [(BF16, "remainder"), (FP16, "fp32")])
         checks.check_resharding(CPU, mesh, pgs[0], base)
         checks.check_failed_save(CPU, mesh, base)
         # The GPU test's memory check, on a small model: its code paths, not its bounds.
@@ -584,7 +585,8 @@ def _worker(rank: int, port: int, root: str) -> None:
 
 def test_dcp_save_on_two_ranks(tmp_path: Path) -> None:
     spawn(_worker, str(tmp_path))
-    for ckpt in ("streaming0_2_1", "snapshot1_2", "reshard_async", "failed", "stock_0"):
+    for ckpt in ("streaming0_2_1", "snapshot1_2", "processprocess1_1", "reshard_async", "failed",
+                 "stock_0"):  # fmt: skip
         assert (tmp_path / ckpt / ".metadata").is_file(), f"{ckpt}: no checkpoint"
 
 

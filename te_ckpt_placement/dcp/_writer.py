@@ -327,7 +327,7 @@ class StreamingWriter(FileSystemWriter):
             with reports.operation("export", path="streaming_save"):
                 recorder = reports.active()
                 try:
-                    return self._write_data(plan, planner, ledger, recorder)
+                    return self._write_streamed(plan, planner, ledger, recorder)
                 finally:
                     if recorder is not None:
                         counts = ledger.counts()
@@ -336,7 +336,7 @@ class StreamingWriter(FileSystemWriter):
         finally:
             self.last_report = reports.last_report()
 
-    def _write_data(
+    def _write_streamed(
         self, plan: SavePlan, planner: SavePlanner, ledger: _Ledger, recorder: Any
     ) -> Future[list[WriteResult]]:
         prefix = plan.storage_data.prefix
