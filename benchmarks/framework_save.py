@@ -140,8 +140,11 @@ class Bench:
         return DefaultStager(StagingOptions(True, True, True, True)) if pinned else DefaultStager()
 
     def state(self, mode: str) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
 
         from te_ckpt_placement import export_placement
         from te_ckpt_placement.dcp import PlacedOptimizerState
@@ -158,8 +161,10 @@ class Bench:
         return {"model": model, "optim": optim}
 
     def reference(self) -> dict[str, torch.Tensor]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
 
         from te_ckpt_placement import export_placement
 
@@ -171,8 +176,10 @@ class Bench:
 
     def equals(self, path: Path, ref: dict[str, torch.Tensor]) -> bool:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
 
         from te_ckpt_placement import export_placement
 
