@@ -705,9 +705,10 @@ class RankBench:
                 train_step(model, opt, self.hidden)  # training goes on while the write runs
                 step_seconds = time.perf_counter() - step_start
                 wait(response)
-            stats = stager.last_stats
-            assert stats is not None
-            assert stats.raw_bytes + stats.other_bytes == raw, (stats, raw)
+            report = stager.last_report
+            assert report is not None
+            stats = report.details
+            assert stats["raw_bytes"] + stats["other_bytes"] == raw, (report, raw)
             self.read_back(path, f"dcp_async_save {mode} {index}")  # the state at the save point
             self.read_back_te(path, f"dcp_async_save {mode} {index}")
             host_extra = start - first_start + result["peak_extra_host_bytes"]

@@ -15,6 +15,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from . import _pool
+from ._host_budget import HostBudgetWarning
 from ._policy import Placement, current_placement, export_placement
 from ._reports import TransferReport, last_report
 from ._te_contract import ContractError
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 # FusedAdam is not listed: `from te_ckpt_placement import *` must work without TE installed.
 __all__ = [
     "ContractError",
+    "HostBudgetWarning",
     "PartialLoadError",
     "Placement",
     "TransferReport",

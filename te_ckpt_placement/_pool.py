@@ -3,7 +3,9 @@
 One allocator (:func:`empty_host`) makes every fresh host buffer the package keeps: pageable
 memory advised to use huge pages, or pinned memory for copies from a GPU (large buffers are
 anonymous maps registered with ``cudaHostRegister``, the way torch's DCP stager pins its buffers;
-torch's pinned allocator would round each one up to a power of two). One pool class
+torch's pinned allocator would round each one up to a power of two). Shared-memory buffers
+(``HostPool.take(shared=True)``, pinned the same way when asked) cross to another process, such
+as DCP's async writer, without a copy. One pool class
 (:class:`HostPool`) keeps them: the exports' ``reuse_buffers`` outputs (:data:`EXPORTS`) and each
 ``SnapshotStager``'s buffers. :func:`release_all` frees every pool's buffers and the idle staging
 rings; :func:`held_bytes` is the one size query over both.
@@ -53,6 +55,17 @@ def _advise_huge_pages(start: int, nbytes: int) -> None:
             _libc.madvise(first, last - first, _MADV_HUGEPAGE)  # advice only: failure is fine
 
 
+def _register(address: int, nbytes: int) -> None:
+    """Pins ``nbytes`` of host memory at ``address`` (``cudaHostRegister``)."""
+    code = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, _CUDA_HOST_REGISTER_PORTABLE))
+    if code != 0:
+        raise RuntimeError(
+            f"pinning a {nbytes}-byte snapshot buffer failed (cudaHostRegister: cudaError "
+            f"{code}). Nothing was staged. Use SnapshotStager(pin_memory=False) to stage "
+            "into pageable memory (slower device-to-host copies)."
+        )
+
+
 def _pinned_bytes(nbytes: int) -> tuple[torch.Tensor, int | None]:
     """``nbytes`` of pinned host memory, and the address registered with ``cudaHostRegister``."""
     if nbytes < SMALL_PINNED_BYTES:
@@ -61,13 +74,19 @@ def _pinned_bytes(nbytes: int) -> tuple[torch.Tensor, int | None]:
     out = torch.frombuffer(mapping, dtype=torch.uint8)
     address = out.data_ptr()
     _advise_huge_pages(address, nbytes)
-    code = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, _CUDA_HOST_REGISTER_PORTABLE))
-    if code != 0:
-        raise RuntimeError(
-            f"pinning a {nbytes}-byte snapshot buffer failed (cudaHostRegister: cudaError "
-            f"{code}). Nothing was staged. Use SnapshotStager(pin_memory=False) to stage "
-            "into pageable memory (slower device-to-host copies)."
-        )
+    _register(address, nbytes)
+    return out, address
+
+
+def _shared_bytes(nbytes: int, pinned: bool) -> tuple[torch.Tensor, int | None]:
+    """``nbytes`` of shared memory (torch's sharing strategy: what ``torch.multiprocessing``
+    sends as a handle, not a copy), pinned with ``cudaHostRegister`` when ``pinned``."""
+    storage = torch.UntypedStorage._new_shared(max(nbytes, 1))
+    out = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,))  # type: ignore[call-overload]
+    if not pinned or nbytes == 0:
+        return out, None
+    address = out.data_ptr()
+    _register(address, nbytes)
     return out, address
 
 
@@ -86,32 +105,38 @@ def empty_host(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def storage_idle(storage: Any, control: object) -> bool:
+def storage_idle(storage: Any, control: object, *, shared: bool = False) -> bool:
     """True when nothing outside its pool uses a kept host storage, so it may be written again.
 
     ``control`` is an object the pool references exactly as it references ``storage`` (once,
     from the same owner): their ``sys.getrefcount`` then differ only by outside references to
     the storage object (``t.untyped_storage()`` held by a caller). The storage's own use count
-    covers tensors and views; shared memory may be mapped by another process.
+    covers tensors and views. Shared memory may be mapped by another process: a storage that
+    was moved there is never idle; one the pool made ``shared`` is idle once nothing in this
+    process uses it (its users in other processes are the owner's to wait for, as torch's DCP
+    stagers wait for the previous save before reusing their shared buffers).
     """
     use_count = getattr(torch._C, "_storage_Use_Count", None)
     return (
         use_count is not None
         and use_count(storage._cdata) == 1
         and sys.getrefcount(storage) == sys.getrefcount(control)
-        and not storage.is_shared()
+        and (shared or not storage.is_shared())
     )
 
 
 class _Kept:
     """One kept buffer: its storage, its size, whether pinned, and the round that last took it."""
 
-    __slots__ = ("control", "nbytes", "pinned", "registered", "round", "storage")
+    __slots__ = ("control", "nbytes", "pinned", "registered", "round", "shared", "storage")
 
-    def __init__(self, storage: Any, nbytes: int, pinned: bool, round_: object) -> None:
+    def __init__(
+        self, storage: Any, nbytes: int, pinned: bool, round_: object, shared: bool = False
+    ) -> None:
         self.storage = storage
         self.nbytes = nbytes
         self.pinned = pinned
+        self.shared = shared
         self.registered: int | None = None  # the address registered with cudaHostRegister
         # Referenced exactly as `storage` is (once, from this object): sys.getrefcount of the
         # two, taken the same way, differs only by the references held outside the pool.
@@ -177,13 +202,14 @@ class HostPool:
         *,
         key: Any = None,
         pinned: bool = False,
+        shared: bool = False,
         round: object = None,
     ) -> torch.Tensor:
         """An idle kept buffer of this size, else a fresh one that is kept from now on.
 
         ``key`` names the buffer (a state dict path; None: by shape and dtype). ``round`` names
         the round taking it (any object); :meth:`end_round` keeps what it took, and a buffer is
-        handed out once per round.
+        handed out once per round. ``shared``: in shared memory (see :func:`storage_idle`).
         """
         shape = torch.Size(shape)
         nbytes = math.prod(shape) * dtype.itemsize
@@ -193,17 +219,18 @@ class HostPool:
                 if (
                     kept.nbytes == nbytes
                     and kept.pinned == pinned
+                    and kept.shared == shared
                     and (round is None or kept.round is not round)
-                    and storage_idle(kept.storage, kept.control)
+                    and storage_idle(kept.storage, kept.control, shared=shared)
                 ):
                     kept.round = round
                     return torch.empty(0, dtype=dtype).set_(kept.storage, 0, shape)  # type: ignore[call-overload]
-        if pinned:
-            raw, address = _pinned_bytes(nbytes)
+        if pinned or shared:
+            raw, address = _shared_bytes(nbytes, pinned) if shared else _pinned_bytes(nbytes)
             out = torch.empty(0, dtype=dtype).set_(raw.untyped_storage(), 0, shape)  # type: ignore[call-overload]
         else:
             out, address = empty_host(shape, dtype), None
-        kept = _Kept(out.untyped_storage(), nbytes, pinned, round)
+        kept = _Kept(out.untyped_storage(), nbytes, pinned, round, shared)
         kept.registered = address
         with self._lock:
             self._kept.setdefault(name, []).append(kept)
@@ -228,7 +255,7 @@ class HostPool:
 
     @staticmethod
     def _idle(kept: _Kept) -> bool:
-        return storage_idle(kept.storage, kept.control)
+        return storage_idle(kept.storage, kept.control, shared=kept.shared)
 
     def nbytes_of(self, *, pinned: bool | None = None) -> int:
         """Bytes of the kept buffers (only the pinned ones, or only the pageable ones)."""

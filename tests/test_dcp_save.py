@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-from te_ckpt_placement import Placement, export_placement
+from te_ckpt_placement import Placement, export_placement, last_report
 from te_ckpt_placement import _export as engine
 from te_ckpt_placement.dcp import (
     LazyState,
@@ -40,7 +40,6 @@ from te_ckpt_placement.dcp import (
     StreamingWriter,
     is_lazy,
     lazy_optimizer_state_dict,
-    production_stats,
     resolve_loaded,
 )
 from te_ckpt_placement.dcp import _lazy_state as lazy_state_module
@@ -112,7 +111,7 @@ def test_lazy_states_produce_the_export(moments: torch.dtype, master: str, conve
     lazy = lazy_optimizer_state_dict(case.model, case.opt, options=FLAT, placement=placement)
     checks.assert_lazy_like(lazy, te, f"{moments} {master}")
     states = {k: v for k, v in lazy.items() if k.startswith("state.")}
-    assert production_stats(lazy).produced == 0
+    assert checks.produced(lazy)["produced"] == 0
     for key, value in states.items():
         first, second = value.produce(), value.produce()
         assert not is_lazy(first) and type(first) is torch.Tensor
@@ -121,9 +120,9 @@ def test_lazy_states_produce_the_export(moments: torch.dtype, master: str, conve
         assert torch.equal(bits(first), bits(te[key])), f"{key} differs from TE's export"
         assert torch.equal(bits(second), bits(te[key])), key
         assert value.source.kind == expected_kind(key, moments, master, conversion), key
-    stats = production_stats(lazy)
-    assert stats.produced == 2 * len(states)
-    assert stats.produced_bytes == 2 * sum(v.numel() * v.element_size() for v in te.values()
+    stats = checks.produced(lazy)
+    assert stats["produced"] == 2 * len(states)
+    assert stats["produced_bytes"] == 2 * sum(v.numel() * v.element_size() for v in te.values()
                                            if isinstance(v, torch.Tensor))  # fmt: skip
     after = snapshot(case.opt)
     for p, names in before.items():
@@ -174,7 +173,7 @@ def test_lazy_state_refuses_what_it_cannot_do() -> None:
             op()
     with pytest.raises(TypeError, match="SnapshotStager"):
         copy.deepcopy(lazy)
-    with pytest.raises(TypeError, match="cannot be pickled"):
+    with pytest.raises(TypeError, match=r"cannot be pickled.*SnapshotStager"):
         pickle.dumps(state)
     # torch's stagers copy every tensor: staging a lazy dict through them fails loudly.
     with pytest.raises(TypeError, match="SnapshotStager"):
@@ -234,13 +233,13 @@ def test_ledger_warns_once_outside_a_releasing_writer(monkeypatch: pytest.Monkey
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)
             kept = [s.produce() for s in states]
-    assert production_stats(lazy).peak_alive == len(states)
+    assert checks.produced(lazy)["peak_alive"] == len(states)
     del kept
     with pytest.warns(RuntimeWarning, match="StreamingWriter") as caught:
         kept = [s.produce() for s in states]
     assert len(caught) == 1  # once per state dict
     del kept
-    assert production_stats(lazy).produced == 2 * len(states)
+    assert checks.produced(lazy)["produced"] == 2 * len(states)
 
 
 # --- StreamingWriter ----------------------------------------------------------------------------
@@ -257,9 +256,12 @@ def test_streaming_writer_bounds_what_is_alive(
         tmp_path, thread_count=threads, lookahead=lookahead, single_file_per_rank=single
     )
     no_dist_save({"model": case.model.state_dict(), "optim": lazy}, writer)
-    stats = production_stats(lazy)
-    assert stats.produced == n
-    assert 1 <= stats.peak_alive <= threads + lookahead, stats
+    report = writer.last_report
+    assert report is not None and report.path == "streaming_save" and not report.failed
+    assert last_report() == report  # the thread that ran the synchronous save
+    stats = report.details
+    assert stats["produced"] == n
+    assert 1 <= stats["peak_alive"] <= threads + lookahead, report
     files = [p for p in tmp_path.iterdir() if p.suffix == ".distcp"]
     items = len(lazy) + len(ref["model"])  # states, param_groups entries, weights
     assert len(files) == (min(threads, items) if single else items)
@@ -450,12 +452,12 @@ def test_snapshot_stager_copies_raw_bytes_and_isolates_training(tmp_path: Path) 
     frozen = copy.deepcopy(frozen)
     stager = SnapshotStager()
     staged = stager.stage(state_dict)
-    stats = stager.last_stats
-    assert stats is not None
-    assert stats.raw_bytes == checks.raw_bytes(case.opt), stats
-    assert stats.other_bytes == checks.model_bytes(case.model) + weight.numel() * 4, stats
-    assert stats.passed_through == 1 and stats.converted_bytes == 0, stats
-    assert stats.allocated_bytes == stats.raw_bytes + stats.other_bytes
+    stats = checks.snapshot_details(stager)
+    assert last_report() == stager.last_report
+    assert stats["raw_bytes"] == checks.raw_bytes(case.opt), stats
+    assert stats["other_bytes"] == checks.model_bytes(case.model) + weight.numel() * 4, stats
+    assert stats["passed_through"] == 1 and stats["converted_bytes"] == 0, stats
+    assert stats["allocated_bytes"] == stats["raw_bytes"] + stats["other_bytes"]
     assert staged["extra"]["export"] is exported_state
     assert staged["extra"]["nested"] == [1, ("a", 2.5)]
     assert staged["extra"]["w"].data_ptr() != weight.data_ptr()
@@ -469,7 +471,7 @@ def test_snapshot_stager_copies_raw_bytes_and_isolates_training(tmp_path: Path) 
         assert lazy.source.data.untyped_storage().data_ptr() not in live, "reads the live state"
         if lazy.source.scale is not None:
             assert lazy.source.scale.device.type == "cpu"
-    assert production_stats(staged["optim"]).produced == 0  # still lazy
+    assert checks.produced(staged["optim"])["produced"] == 0  # still lazy
     # The caller's dict is untouched; training after staging does not reach the snapshot.
     assert_same_export({k: v for k, v in state_dict.items() if k != "optim"}, frozen)
     case.train(1, seed=5)
@@ -491,12 +493,13 @@ def test_snapshot_stager_reuses_idle_buffers_only() -> None:
         return staged, ptrs
 
     first, ptrs1 = stage()
-    total = stager.last_stats.raw_bytes + stager.last_stats.other_bytes  # type: ignore[union-attr]
+    stats = checks.snapshot_details(stager)
+    total = stats["raw_bytes"] + stats["other_bytes"]
     assert stager.buffer_bytes == total
     kept_values = [bits(t).clone() for t in tensors(first) if not is_lazy(t)]
     case.train(1, seed=3)
     second, ptrs2 = stage()  # the first is still referenced: fresh buffers, nothing overwritten
-    assert stager.last_stats.allocated_bytes == total  # type: ignore[union-attr]
+    assert checks.snapshot_details(stager)["allocated_bytes"] == total
     assert not ptrs1 & ptrs2
     assert all(
         torch.equal(bits(t), v)
@@ -507,7 +510,7 @@ def test_snapshot_stager_reuses_idle_buffers_only() -> None:
     assert stager.buffer_bytes == total  # the first round's buffers were released
     del second
     third, ptrs3 = stage()
-    assert stager.last_stats.allocated_bytes == 0  # type: ignore[union-attr]
+    assert checks.snapshot_details(stager)["allocated_bytes"] == 0
     assert ptrs3 == ptrs2
     del third
     stager.close()
@@ -524,8 +527,7 @@ def test_snapshot_stager_converts_device_states_at_staging(tmp_path: Path) -> No
     assert set(kinds.values()) == {"device", "copy"}, kinds
     stager = SnapshotStager(pin_memory=False)
     staged = stager.stage({"model": case.model.state_dict(), "optim": lazy})
-    stats = stager.last_stats
-    assert stats is not None and stats.converted_bytes > 0
+    assert checks.snapshot_details(stager)["converted_bytes"] > 0
     for key, kind in kinds.items():
         assert is_lazy(staged["optim"][key]) == (kind != "device"), key
     case.train(1, seed=4)
@@ -571,6 +573,7 @@ def _worker(rank: int, port: int, root: str) -> None:
         checks.check_streaming_save(CPU, mesh, base, [(BF16, "remainder"), (FP16, "fp32")])
         checks.check_stock_writers(CPU, mesh, base)
         checks.check_snapshot_async(CPU, mesh, pgs, base, [(BF16, "remainder"), (FP16, "fp32")])
+        checks.check_process_async(CPU, mesh, pgs[0], base, [(BF16, "remainder"), (FP16, "fp32")])
         checks.check_resharding(CPU, mesh, pgs[0], base)
         checks.check_failed_save(CPU, mesh, base)
         # The GPU test's memory check, on a small model: its code paths, not its bounds.
@@ -582,7 +585,8 @@ def _worker(rank: int, port: int, root: str) -> None:
 
 def test_dcp_save_on_two_ranks(tmp_path: Path) -> None:
     spawn(_worker, str(tmp_path))
-    for ckpt in ("streaming0_2_1", "snapshot1_2", "reshard_async", "failed", "stock_0"):
+    for ckpt in ("streaming0_2_1", "snapshot1_2", "processprocess1_1", "reshard_async", "failed",
+                 "stock_0"):  # fmt: skip
         assert (tmp_path / ckpt / ".metadata").is_file(), f"{ckpt}: no checkpoint"
 
 

@@ -18,15 +18,13 @@ torch.distributed.checkpoint, not Transformer Engine.
 
 from ._lazy_state import (
     LazyState,
-    ProductionStats,
     is_lazy,
     lazy_optimizer_state_dict,
-    production_stats,
     resolve_loaded,
 )
 from ._load_planner import StreamingLoadPlanner, StreamingLoadWarning
 from ._pass_through import PassThroughStager
-from ._snapshot import SnapshotStager, SnapshotStats
+from ._snapshot import SnapshotStager
 from ._state import PlacedOptimizerState
 from ._writer import StreamingWriter
 
@@ -34,14 +32,11 @@ __all__ = [
     "LazyState",
     "PassThroughStager",
     "PlacedOptimizerState",
-    "ProductionStats",
     "SnapshotStager",
-    "SnapshotStats",
     "StreamingLoadPlanner",
     "StreamingLoadWarning",
     "StreamingWriter",
     "is_lazy",
     "lazy_optimizer_state_dict",
-    "production_stats",
     "resolve_loaded",
 ]

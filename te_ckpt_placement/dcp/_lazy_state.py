@@ -23,7 +23,6 @@ import threading
 import warnings
 import weakref
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -56,35 +55,26 @@ _released_after_write = threading.local()
 
 
 @contextlib.contextmanager
-def released_after_write() -> Iterator[None]:
-    """Marks the current thread as a writer that drops each produced state once written."""
+def released_after_write(ledger: _Ledger | None = None) -> Iterator[None]:
+    """Marks the current thread as a writer that drops each produced state once written; the
+    states produced meanwhile are also counted in ``ledger`` (the writer's, for its report)."""
     previous = getattr(_released_after_write, "active", False)
+    previous_ledger = getattr(_released_after_write, "ledger", None)
     _released_after_write.active = True
+    _released_after_write.ledger = ledger
     try:
         yield
     finally:
         _released_after_write.active = previous
-
-
-@dataclass(frozen=True)
-class ProductionStats:
-    """What the placeholders of one lazy state dict (or one snapshot of it) have produced.
-
-    Attributes:
-        produced: States produced so far.
-        produced_bytes: Their bytes.
-        peak_alive: The most produced states alive at once (seen when one was produced).
-        peak_alive_bytes: The most bytes of produced states alive at once.
-    """
-
-    produced: int
-    produced_bytes: int
-    peak_alive: int
-    peak_alive_bytes: int
+        _released_after_write.ledger = previous_ledger
 
 
 class _Ledger:
-    """Counts the produced states that are still alive, by weak references to their storages."""
+    """Counts the produced states that are still alive, by weak references to their storages.
+
+    Every lazy state dict has one (for the warning below); a ``StreamingWriter`` keeps one per
+    write for its :class:`~te_ckpt_placement.TransferReport` (``produced``, ``peak_alive``).
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -125,11 +115,15 @@ class _Ledger:
                 stacklevel=2,
             )
 
-    def stats(self) -> ProductionStats:
+    def counts(self) -> dict[str, int]:
+        """States produced, their bytes, and the most alive at once (seen when one was made)."""
         with self._lock:
-            return ProductionStats(
-                self._produced, self._produced_bytes, self._peak, self._peak_bytes
-            )
+            return {
+                "produced": self._produced,
+                "produced_bytes": self._produced_bytes,
+                "peak_alive": self._peak,
+                "peak_alive_bytes": self._peak_bytes,
+            }
 
 
 def _stream_context(stream: Any) -> contextlib.AbstractContextManager[Any]:
@@ -152,8 +146,11 @@ class LazyState(torch.Tensor):
 
     It has the exported tensor's metadata (shape, dtype FP32 or int16, device CPU) and no data;
     ``__get_tensor_shard__`` produces the data with ``engine.materialize`` each time DCP asks and
-    keeps none of it. Torch operations on it raise ``TypeError``, and so do copying and
-    pickling: torch's async stagers cannot stage it (use ``SnapshotStager``).
+    keeps none of it. Torch operations on it raise ``TypeError``, and so does copying: torch's
+    async stagers cannot stage it (use ``SnapshotStager``). A placeholder reading the live state
+    refuses to be pickled; one that ``SnapshotStager`` made, reading a host snapshot, pickles as
+    its snapshot tensors and conversion recipe (for ``torch.multiprocessing``, shared-memory
+    handles: DCP's process-based async save sends it to its writer process without a copy).
     """
 
     _source: engine.StateSource
@@ -162,6 +159,7 @@ class LazyState(torch.Tensor):
     _reuse_buffers: bool
     _ledger: _Ledger
     _target: torch.Tensor | None
+    _snapshot: bool  # reads a host snapshot that nothing in training writes
 
     @staticmethod
     def __new__(
@@ -174,6 +172,7 @@ class LazyState(torch.Tensor):
         device: torch.device,
         reuse_buffers: bool,
         ledger: _Ledger,
+        snapshot: bool = False,
     ) -> LazyState:
         self = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
             cls, shape, dtype=dtype, device=torch.device("cpu"), requires_grad=False
@@ -184,6 +183,7 @@ class LazyState(torch.Tensor):
         self._reuse_buffers = reuse_buffers
         self._ledger = ledger
         self._target = None
+        self._snapshot = snapshot
         return self  # type: ignore[no-any-return]
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
@@ -213,10 +213,19 @@ class LazyState(torch.Tensor):
         )
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        raise TypeError(
-            "a te_ckpt_placement LazyState cannot be pickled: it is a placeholder that DCP's "
-            "writer resolves through __get_tensor_shard__"
-        )
+        if not self._snapshot:
+            raise TypeError(
+                "a te_ckpt_placement LazyState reading the live optimizer state cannot be "
+                "pickled (it references the optimizer's device storage): for dcp.async_save, "
+                "in particular with AsyncCheckpointerType.PROCESS, stage with "
+                "te_ckpt_placement.dcp.SnapshotStager, whose snapshot states pickle"
+            )
+        source = self._source
+        return (
+            _unpickled_snapshot,
+            (source.kind, source.data, source.scale, source.fp8_dtype, self.shape, self.dtype,
+             self._spec),
+        )  # fmt: skip
 
     @property
     def source(self) -> engine.StateSource:
@@ -239,10 +248,13 @@ class LazyState(torch.Tensor):
         with _stream_context(self._stream):
             out = engine.materialize(self._source, reuse_buffers=self._reuse_buffers)
         self._ledger.record(out)
+        writer = getattr(_released_after_write, "ledger", None)
+        if writer is not None:
+            writer.record(out)
         return out
 
     def with_source(self, source: engine.StateSource, ledger: _Ledger) -> LazyState:
-        """The same placeholder reading from ``source`` (a host snapshot)."""
+        """The same placeholder reading from ``source`` (a host snapshot: picklable)."""
         return LazyState(
             source,
             self.shape,
@@ -251,6 +263,7 @@ class LazyState(torch.Tensor):
             device=torch.device("cpu"),
             reuse_buffers=self._reuse_buffers,
             ledger=ledger,
+            snapshot=True,
         )
 
     # --- DCP's _Checkpointable protocol (DTensor forwards to its local tensor) ---------------
@@ -292,6 +305,39 @@ class LazyState(torch.Tensor):
         return target if target is not None else self.produce()
 
 
+#: The ledger of the snapshot states unpickled in this process (DCP's async writer process).
+_UNPICKLED: _Ledger | None = None
+
+
+def _unpickled_snapshot(
+    kind: engine.Kind,
+    data: torch.Tensor,
+    scale: torch.Tensor | None,
+    fp8_dtype: torch.dtype | None,
+    shape: torch.Size,
+    dtype: torch.dtype,
+    spec: DTensorSpec | None,
+) -> LazyState:
+    """A snapshot state rebuilt from its pickle (its tensors: shared memory, not copies).
+
+    Its outputs are fresh host tensors: the writer process keeps no buffers of its own.
+    """
+    global _UNPICKLED
+    if _UNPICKLED is None:
+        _UNPICKLED = _Ledger()
+    source = engine.StateSource(kind=kind, data=data, scale=scale, fp8_dtype=fp8_dtype)
+    return LazyState(
+        source,
+        shape,
+        dtype,
+        spec,
+        device=torch.device("cpu"),
+        reuse_buffers=False,
+        ledger=_UNPICKLED,
+        snapshot=True,
+    )
+
+
 def is_lazy(value: object) -> bool:
     """True for a :class:`LazyState` or a DTensor whose local tensor is one."""
     return isinstance(_tensors.local(value), LazyState)
@@ -308,10 +354,10 @@ def iter_lazy(tree: Any) -> Iterator[LazyState]:
     return iter_tree(tree, lazy_of)
 
 
-def production_stats(state_dict: Any) -> ProductionStats | None:
-    """What the placeholders in ``state_dict`` have produced (None when it holds none)."""
+def ledger_of(state_dict: Any) -> _Ledger | None:
+    """The ledger of the placeholders in ``state_dict`` (None when it holds none)."""
     for lazy in iter_lazy(state_dict):
-        return lazy._ledger.stats()
+        return lazy._ledger
     return None
 
 

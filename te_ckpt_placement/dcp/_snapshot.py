@@ -19,7 +19,6 @@ import copy
 import dataclasses
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,32 +26,12 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
 from .. import _export as engine
-from .. import _pool, _ring
+from .. import _host_budget, _pool, _ring
+from .. import _reports as reports
+from .._tree import iter_tree, map_tree
 from ._lazy_state import LazyState, _Ledger, lazy_of, rewrap
 
 StateDict = dict[str, Any]
-
-
-@dataclass(frozen=True)
-class SnapshotStats:
-    """What one :meth:`SnapshotStager.stage` did.
-
-    Attributes:
-        raw_bytes: Bytes copied for lazy optimizer states (stored bytes and scales).
-        other_bytes: Bytes copied for every other tensor (model weights).
-        converted_bytes: Bytes of states converted at staging (``conversion="device"`` states and
-            FP8 storage without rowwise data, which only TE's GPU conversion reads).
-        passed_through: Tensors of a streaming export passed through without a copy.
-        allocated_bytes: Buffer bytes allocated by this call (0 when every buffer was reused).
-        seconds: Wall time of the call.
-    """
-
-    raw_bytes: int
-    other_bytes: int
-    converted_bytes: int
-    passed_through: int
-    allocated_bytes: int
-    seconds: float
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -62,9 +41,10 @@ def _nbytes(t: torch.Tensor) -> int:
 class _Snapshot:
     """One stage() call: walks the state dict, queues the copies, rebuilds the containers."""
 
-    def __init__(self, buffers: _pool.HostPool, pin_memory: bool) -> None:
+    def __init__(self, buffers: _pool.HostPool, pin_memory: bool, shared: bool) -> None:
         self.buffers = buffers
         self.pin_memory = pin_memory
+        self.shared = shared
         self.round = object()  # what this stage() takes from the pool
         self.rings: dict[torch.device, _ring.Ring] = {}
         self._lent = ExitStack()
@@ -78,7 +58,12 @@ class _Snapshot:
         """A host copy of ``src`` (queued, for a CUDA source) in a buffer named ``key``."""
         cuda = src.device.type == "cuda"
         dst = self.buffers.take(
-            src.shape, src.dtype, key=key, pinned=cuda and self.pin_memory, round=self.round
+            src.shape,
+            src.dtype,
+            key=key,
+            pinned=cuda and self.pin_memory,
+            shared=self.shared,
+            round=self.round,
         )
         if not cuda:
             dst.copy_(src)
@@ -94,11 +79,13 @@ class _Snapshot:
         return dst
 
     def finish(self) -> None:
+        start = time.perf_counter()
         try:
             for ring in self.rings.values():
                 ring.synchronize()
         finally:
             self._lent.close()  # the rings go back (their streams synchronized again)
+            reports.waited(time.perf_counter() - start)
 
     def lazy(self, lazy: LazyState, path: tuple[Any, ...]) -> torch.Tensor:
         source = lazy.source
@@ -111,12 +98,14 @@ class _Snapshot:
         scale = source.scale
         if scale is not None:
             scale = self.copy(scale, (*path, "scale"))
-            self.raw_bytes += _nbytes(scale)
-        self.raw_bytes += _nbytes(data)
-        snapshot = dataclasses.replace(source, data=data, scale=scale)
+        raw = _nbytes(data) + (0 if scale is None else _nbytes(scale))
+        self.raw_bytes += raw
+        reports.exported("copy", raw, raw)
+        # Only host snapshots from here on: nothing that reaches the optimizer or a GPU.
+        snapshot = dataclasses.replace(source, data=data, scale=scale, on_device=None)
         return lazy.with_source(snapshot, self.ledger)
 
-    def visit(self, obj: Any, path: tuple[Any, ...]) -> Any:
+    def leaf(self, obj: Any, path: tuple[Any, ...]) -> Any:
         lazy = lazy_of(obj)
         if lazy is not None:
             return rewrap(self.lazy(lazy, path), obj)
@@ -127,20 +116,30 @@ class _Snapshot:
             local = obj._local_tensor if isinstance(obj, DTensor) else obj
             host = self.copy(local, path)
             self.other_bytes += _nbytes(host)
+            recorder = reports.active()
+            if recorder is not None:
+                recorder.kept(_nbytes(host))  # copied to the host, held by the snapshot
             return rewrap(host, obj)
-        if isinstance(obj, dict):
-            new = copy.copy(obj)
-            for key, value in obj.items():
-                new[key] = self.visit(value, (*path, key))
-            return new
-        if isinstance(obj, (list, tuple)):
-            items = [self.visit(value, (*path, i)) for i, value in enumerate(obj)]
-            if isinstance(obj, list):
-                return items
-            if hasattr(obj, "_fields"):  # a namedtuple takes its fields positionally
-                return type(obj)(*items)
-            return type(obj)(items)
         return copy.deepcopy(obj)
+
+
+def _staged_bytes(obj: Any) -> int | None:
+    """Host bytes a snapshot of ``obj`` holds (None: not a leaf the snapshot copies)."""
+    lazy = lazy_of(obj)
+    if lazy is not None:
+        source = lazy.source
+        if source.kind == "device" or source.data is None:
+            return lazy.numel() * lazy.element_size()
+        scale = 0 if source.scale is None else _nbytes(source.scale)
+        return _nbytes(source.data) + scale
+    if isinstance(obj, torch.Tensor) and not engine.is_exported(obj):
+        local = obj._local_tensor if isinstance(obj, DTensor) else obj
+        return _nbytes(local)
+    return None
+
+
+def _new_stager(pin_memory: bool, shared_memory: bool) -> SnapshotStager:
+    return SnapshotStager(pin_memory=pin_memory, shared_memory=shared_memory)
 
 
 class SnapshotStager(AsyncStager):
@@ -158,12 +157,27 @@ class SnapshotStager(AsyncStager):
     is never overwritten, a second set is allocated instead. Tensors of a streaming export
     (``export_placement("cpu")``) are passed through, as :class:`PassThroughStager` does.
 
+    The buffers are shared memory (by default), and the staged lazy states pickle as their
+    snapshot tensors and conversion recipe: with ``AsyncCheckpointerType.PROCESS``, DCP's writer
+    process receives shared-memory handles, not copies, and converts to TE's FP32 export as it
+    writes. The parent holds the staged dict until that process answers (torch's process
+    executor), so a buffer is reused only after its save completed.
+
+    Each :meth:`stage` leaves a :class:`~te_ckpt_placement.TransferReport` (``path="snapshot"``)
+    in :attr:`last_report` and in ``last_report()`` of the staging thread; its ``details`` hold
+    ``raw_bytes`` (lazy states' stored bytes and scales), ``other_bytes`` (every other tensor),
+    ``converted_bytes`` (states converted at staging), ``passed_through`` (tensors of a streaming
+    export, not copied) and ``allocated_bytes`` (fresh buffer bytes; 0 when all were reused).
+
     Args:
         pin_memory: Pin the buffers of copies from a GPU (``cudaHostRegister``), for
             full-bandwidth asynchronous copies. ``False`` stages into pageable memory.
+        shared_memory: Stage into shared memory (``/dev/shm``), which a process-based async
+            save needs to avoid a copy. ``False`` stages into private memory (thread-based
+            async saves only: pickling then copies).
 
     Raises:
-        ValueError: ``pin_memory`` is not a bool.
+        ValueError: ``pin_memory`` or ``shared_memory`` is not a bool.
 
     Example:
         >>> state = PlacedOptimizerState(model, optimizer, save="streaming")  # doctest: +SKIP
@@ -175,15 +189,25 @@ class SnapshotStager(AsyncStager):
 
     _synchronize_after_execute = False  # stage() blocks until the snapshot is complete
 
-    def __init__(self, *, pin_memory: bool = True) -> None:
+    def __init__(self, *, pin_memory: bool = True, shared_memory: bool = True) -> None:
         if not isinstance(pin_memory, bool):
             raise ValueError(
                 f"unsupported pin_memory {pin_memory!r}: valid values are True (pinned buffers "
                 "for GPU copies) or False (pageable memory)"
             )
+        if not isinstance(shared_memory, bool):
+            raise ValueError(
+                f"unsupported shared_memory {shared_memory!r}: valid values are True (shared "
+                "memory, for process-based async saves) or False (private memory)"
+            )
         self.pin_memory = pin_memory
+        self.shared_memory = shared_memory
         self._buffers = _pool.HostPool(keep_busy=False)
-        self.last_stats: SnapshotStats | None = None
+        self.last_report: reports.TransferReport | None = None
+
+    def __reduce__(self) -> Any:
+        # A StreamingWriter sent to DCP's writer process takes a stager without buffers along.
+        return _new_stager, (self.pin_memory, self.shared_memory)
 
     @property
     def buffer_bytes(self) -> int:
@@ -201,23 +225,41 @@ class SnapshotStager(AsyncStager):
             The same structure, with lazy states reading from host snapshots of their stored
             bytes and every other tensor a host copy (a CPU-local DTensor for a DTensor).
         """
-        start = time.perf_counter()
-        snapshot = _Snapshot(self._buffers, self.pin_memory)
-        try:
-            staged = snapshot.visit(state_dict, ())
-        finally:
-            snapshot.finish()  # copies in flight must land before any buffer is reused or freed
-            allocated = self._buffers.allocated_bytes
-            self._buffers.end_round(snapshot.round)
-        self.last_stats = SnapshotStats(
-            raw_bytes=snapshot.raw_bytes,
-            other_bytes=snapshot.other_bytes,
-            converted_bytes=snapshot.converted_bytes,
-            passed_through=snapshot.passed_through,
-            allocated_bytes=allocated,
-            seconds=time.perf_counter() - start,
-        )
+        self._check_budget(state_dict)
+        snapshot = _Snapshot(self._buffers, self.pin_memory, self.shared_memory)
+        with reports.operation("export", path="snapshot"):
+            try:
+                staged = map_tree(state_dict, snapshot.leaf, rebuild="always")
+            finally:
+                # Copies in flight land before any buffer is reused or freed.
+                snapshot.finish()
+                allocated = self._buffers.allocated_bytes
+                self._buffers.end_round(snapshot.round)
+                recorder = reports.active()
+                if recorder is not None:
+                    for key, value in (
+                        ("raw_bytes", snapshot.raw_bytes),
+                        ("other_bytes", snapshot.other_bytes),
+                        ("converted_bytes", snapshot.converted_bytes),
+                        ("passed_through", snapshot.passed_through),
+                        ("allocated_bytes", allocated),
+                    ):
+                        recorder.detail(key, value)
+        self.last_report = reports.last_report()
         return staged  # type: ignore[no-any-return]
+
+    def _check_budget(self, state_dict: StateDict) -> None:
+        total = sum(iter_tree(state_dict, _staged_bytes))
+        # Idle kept buffers are reused, and already outside MemAvailable.
+        _host_budget.check(
+            "snapshot",
+            max(0, total - self._buffers.nbytes),
+            fits=(
+                "A synchronous dcp.save of PlacedOptimizerState(save='streaming') through "
+                "te_ckpt_placement.dcp.StreamingWriter holds about "
+                f"{_host_budget.STREAMING_OVERHEAD_BYTES >> 30} GiB plus a few FP32 states"
+            ),
+        )
 
     def synchronize_staging(self) -> None:
         """A no-op: :meth:`stage` returns a complete snapshot."""

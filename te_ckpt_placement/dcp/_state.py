@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from .. import _host_budget
 from .._policy import Placement, as_placement, export_placement
 from ._handshake import LoadSession, StreamingLoadWarning, StreamingTemplate, merge_part
 from ._lazy_state import lazy_optimizer_state_dict, resolve_loaded
@@ -213,6 +214,8 @@ class PlacedOptimizerState(Stateful):
                 for model, optims in self._pairs
             ]
         else:
+            if self.placement.streams:
+                self._check_host_budget()
             parts = self._each(
                 lambda model, optims: get_optimizer_state_dict(model, optims, options=self.options)
             )
@@ -220,6 +223,23 @@ class PlacedOptimizerState(Stateful):
         for part in parts:
             merge_part(merged, part)
         return merged
+
+    def _check_host_budget(self) -> None:
+        """Warns once when the host export would not fit in this rank's share of host memory."""
+        export = _host_budget.export_bytes(
+            state for _, optims in self._pairs for opt in optims for state in opt.state.values()
+        )
+        _host_budget.check(
+            "export",
+            export,
+            fits=(
+                f"A process-based dcp.async_save staged by torch's DefaultStager holds it twice "
+                f"({2 * export} bytes). PlacedOptimizerState(save='streaming') saved with "
+                "te_ckpt_placement.dcp.StreamingWriter holds about "
+                f"{_host_budget.STREAMING_OVERHEAD_BYTES >> 30} GiB plus a few FP32 states; "
+                "staged with te_ckpt_placement.dcp.SnapshotStager, the raw stored bytes"
+            ),
+        )
 
     def load_state_dict(self, state_dict: StateDict) -> None:
         """Loads a flattened optimizer state dict into every optimizer, under the policy.

@@ -36,7 +36,9 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from .. import _export as engine
-from ._lazy_state import released_after_write
+from .. import _host_budget
+from .. import _reports as reports
+from ._lazy_state import _Ledger, released_after_write
 from ._snapshot import SnapshotStager
 
 _POLL_SECONDS = 0.1
@@ -125,9 +127,13 @@ class _Production:
         lookahead: int,
         abort: threading.Event,
         stream: Any,
+        ledger: _Ledger | None = None,
+        recorder: Any = None,
     ) -> None:
         self.planner = planner
         self.stream = stream
+        self.ledger = ledger
+        self.recorder = recorder
         self.items = items
         self.budget = budget
         self.mine = threading.Semaphore(1 + lookahead)
@@ -150,7 +156,7 @@ class _Production:
         self.budget.release()
 
     def _run(self) -> None:
-        with released_after_write():
+        with released_after_write(self.ledger), reports.attach(self.recorder):
             for item in self.items:
                 if not self._acquire():
                     return
@@ -225,6 +231,12 @@ class StreamingWriter(FileSystemWriter):
     bytes, and the FP32 conversion runs here, in the background write. Call :meth:`close` after
     the last save to release the stager's pinned buffers.
 
+    Each write leaves a :class:`~te_ckpt_placement.TransferReport` (``path="streaming_save"``)
+    in :attr:`last_report` (in the process that wrote: DCP's writer process for a process-based
+    async save) and in ``last_report()`` of the thread that ran ``write_data`` (the caller of a
+    synchronous ``dcp.save``); its ``details`` hold ``produced`` (lazy states produced) and
+    ``peak_alive`` (the most of them alive at once).
+
     Args:
         path: The checkpoint directory.
         single_file_per_rank: One file per writer thread (default) or one file per item.
@@ -278,6 +290,7 @@ class StreamingWriter(FileSystemWriter):
         self.lookahead = lookahead
         self._stager = stager if stager is not None else SnapshotStager()
         self._replaced: set[str] = set()  # data files of earlier saves, listed before writing
+        self.last_report: reports.TransferReport | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         super().reset(checkpoint_id)
@@ -299,6 +312,33 @@ class StreamingWriter(FileSystemWriter):
 
     # --- writing ---------------------------------------------------------------------------------
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        largest = max((_item_bytes(item) for item in plan.items), default=0)
+        alive = self.thread_count + self.lookahead
+        _host_budget.check(
+            "streaming_save",
+            _host_budget.STREAMING_OVERHEAD_BYTES + alive * largest,
+            fits=(
+                f"It holds up to thread_count + lookahead = {alive} produced states of at most "
+                f"{largest} bytes: lower thread_count or lookahead"
+            ),
+        )
+        ledger = _Ledger()
+        try:
+            with reports.operation("export", path="streaming_save"):
+                recorder = reports.active()
+                try:
+                    return self._write_streamed(plan, planner, ledger, recorder)
+                finally:
+                    if recorder is not None:
+                        counts = ledger.counts()
+                        recorder.detail("produced", counts["produced"])
+                        recorder.detail("peak_alive", counts["peak_alive"])
+        finally:
+            self.last_report = reports.last_report()
+
+    def _write_streamed(
+        self, plan: SavePlan, planner: SavePlanner, ledger: _Ledger, recorder: Any
+    ) -> Future[list[WriteResult]]:
         prefix = plan.storage_data.prefix
         tag = uuid.uuid4().hex[:_TAG_DIGITS]  # this write's own file names (see _DATA_FILE)
         groups = (
@@ -324,6 +364,10 @@ class StreamingWriter(FileSystemWriter):
         lock = threading.Lock()
 
         def work() -> None:
+            with reports.attach(recorder):
+                work_files()
+
+        def work_files() -> None:
             while not abort.is_set():
                 try:
                     name, items = files.get_nowait()
@@ -332,7 +376,9 @@ class StreamingWriter(FileSystemWriter):
                 with lock:
                     created.append(self.fs.concat_path(self.path, name))
                 try:
-                    written = self._write_file(name, items, planner, budget, abort, stream)
+                    written = self._write_file(
+                        name, items, planner, budget, abort, stream, ledger, recorder
+                    )
                 except BaseException as exc:
                     abort.set()
                     with lock:
@@ -376,11 +422,15 @@ class StreamingWriter(FileSystemWriter):
         budget: threading.Semaphore,
         abort: threading.Event,
         stream: Any,
+        ledger: _Ledger | None = None,
+        recorder: Any = None,
     ) -> list[WriteResult]:
         written: list[WriteResult] = []
         byte_items = [item for item in items if item.type == WriteItemType.BYTE_IO]
         tensor_items = [item for item in items if item.type != WriteItemType.BYTE_IO]
-        production = _Production(planner, tensor_items, budget, self.lookahead, abort, stream)
+        production = _Production(
+            planner, tensor_items, budget, self.lookahead, abort, stream, ledger, recorder
+        )
         path = self.fs.concat_path(self.path, name)
         try:
             with self.fs.create_stream(path, "wb") as stream:

@@ -32,14 +32,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from te_ckpt_placement import _export as engine
-from te_ckpt_placement import export_placement
+from te_ckpt_placement import export_placement, last_report
 from te_ckpt_placement.dcp import (
     PlacedOptimizerState,
     SnapshotStager,
     StreamingWriter,
     is_lazy,
     lazy_optimizer_state_dict,
-    production_stats,
 )
 from te_ckpt_placement.dcp import _lazy_state as lazy_state_module
 
@@ -266,6 +265,20 @@ class GatedWriter(StreamingWriter):
         return super().write_data(plan, planner)
 
 
+def produced(lazy: dict[str, Any]) -> dict[str, int]:
+    """What the placeholders of a lazy dict produced (its ledger, which also warns)."""
+    ledger = lazy_state_module.ledger_of(lazy)
+    assert ledger is not None, "no lazy states"
+    return ledger.counts()
+
+
+def snapshot_details(stager: SnapshotStager) -> Any:
+    """The details of the stager's last report (a snapshot's)."""
+    report = stager.last_report
+    assert report is not None and report.path == "snapshot" and not report.failed, report
+    return report.details
+
+
 def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -295,7 +308,7 @@ def check_streaming_save(
             label = f"{where} threads={threads} single_file={single}"
             lazy = case.lazy()
             assert_lazy_like(lazy, export, label)
-            assert production_stats(lazy).produced == 0, f"{label}: produced before the save"
+            assert produced(lazy)["produced"] == 0, f"{label}: produced before the save"
             path = root / f"streaming{i}_{threads}_{int(single)}"
             writer = StreamingWriter(path, thread_count=threads, single_file_per_rank=single)
             with warnings.catch_warnings():
@@ -304,9 +317,12 @@ def check_streaming_save(
                     {"model": get_model_state_dict(case.model), "optim": lazy},
                     storage_writer=writer,
                 )
-            stats = production_stats(lazy)
-            assert stats.produced == n_states(export), f"{label}: {stats}"
-            assert 1 <= stats.peak_alive <= threads + writer.lookahead, f"{label}: {stats}"
+            report = writer.last_report
+            assert report is not None and report.path == "streaming_save", label
+            assert last_report() == report, f"{label}: not the calling thread's last report"
+            stats = report.details
+            assert stats["produced"] == n_states(export), f"{label}: {report}"
+            assert 1 <= stats["peak_alive"] <= threads + writer.lookahead, f"{label}: {report}"
             data_files = {p.name for p in path.iterdir() if p.suffix == ".distcp"}
             mine = {name for name in data_files if name.startswith(f"__{rank()}_")}
             if single:
@@ -360,14 +376,14 @@ def check_stock_writers(backend: Backend, mesh: DeviceMesh, root: Path) -> None:
                     storage_writer=FileSystemWriter(path, single_file_per_rank=single),
                 )
             warned = [w for w in caught if "StreamingWriter" in str(w.message)]
-            stats = production_stats(lazy)
+            stats = produced(lazy)
             if single:
-                assert stats.peak_alive == total, f"{where}: {stats} (expected all {total})"
+                assert stats["peak_alive"] == total, f"{where}: {stats} (expected all {total})"
                 assert len(warned) == 1, f"{where}: {[str(w.message) for w in caught]}"
             else:
                 # The previous file's tensor lives on in the writer's locals until the next
                 # one is resolved: two per writer thread.
-                assert stats.peak_alive <= 2, f"{where}: one file per item: {stats}"
+                assert stats["peak_alive"] <= 2, f"{where}: one file per item: {stats}"
                 assert not warned, f"{where}: warned {warned[0].message}"
             assert_loads(case, path, ref, f"{where} single_file={single}")
         # StreamingWriter does not warn: it drops what it wrote.
@@ -410,15 +426,14 @@ def check_snapshot_async(
                 storage_writer=writer,
                 process_group=pg,
             )
-            stats = stager.last_stats
-            assert stats is not None
-            assert stats.raw_bytes == raw_bytes(case.opt), f"{label}: {stats}"
-            assert stats.other_bytes == model_bytes(case.model), f"{label}: {stats}"
-            assert stats.converted_bytes == 0 and stats.passed_through == 0, f"{label}: {stats}"
+            stats = snapshot_details(stager)
+            assert stats["raw_bytes"] == raw_bytes(case.opt), f"{label}: {stats}"
+            assert stats["other_bytes"] == model_bytes(case.model), f"{label}: {stats}"
+            assert stats["converted_bytes"] == 0 and stats["passed_through"] == 0, label
             if n == 0:
-                assert stats.allocated_bytes == stats.raw_bytes + stats.other_bytes, label
+                assert stats["allocated_bytes"] == stats["raw_bytes"] + stats["other_bytes"], label
             else:
-                assert stats.allocated_bytes == 0, f"{label}: buffers not reused: {stats}"
+                assert stats["allocated_bytes"] == 0, f"{label}: buffers not reused: {stats}"
             case.train(1, seed=70 + n)  # while the write waits at the gate
             assert not same_bits(case.model_bits(), ref["model"]), f"{label}: the step did nothing"
             writer.gate.set()
@@ -440,10 +455,9 @@ def check_snapshot_async(
                     process_group=group,
                 )
             )
-            stats = stager.last_stats
-            assert stats is not None
+            stats = snapshot_details(stager)
             if n == 1:
-                assert stats.allocated_bytes == stats.raw_bytes + stats.other_bytes, (
+                assert stats["allocated_bytes"] == stats["raw_bytes"] + stats["other_bytes"], (
                     f"{where}: a buffer in use was reused: {stats}"
                 )
             case.train(1, seed=80 + n)
@@ -721,11 +735,71 @@ def check_memory_bounds(
             wait(response)
 
         _, _, host = peaks(async_save)  # the GPU peak of the whole includes the training step
-        stats = stager.last_stats
-        assert stats is not None and stats.raw_bytes + stats.other_bytes == raw, stats
-        assert n == 0 or stats.allocated_bytes == 0, f"{where}: buffers not reused: {stats}"
+        stats = snapshot_details(stager)
+        assert stats["raw_bytes"] + stats["other_bytes"] == raw, stats
+        assert n == 0 or stats["allocated_bytes"] == 0, f"{where}: buffers not reused: {stats}"
         assert staging_gpu == [0], f"{where} snapshot {n}: staging took {staging_gpu} GPU bytes"
         assert host <= bound, f"{where} snapshot {n}: host +{host} > {bound}"
         assert_loads(case, path, ref, f"{where} snapshot {n}")
         remove(path)
     stager.close()
+
+
+# --- 7. process-based async saves with the raw snapshot ---------------------------------------
+def check_process_async(
+    backend: Backend,
+    mesh: DeviceMesh | None,
+    pg: Any,
+    root: Path,
+    modes: list[tuple[torch.dtype, str]],
+    *,
+    saves: int = 2,
+    kind: Any = None,
+) -> None:
+    """``dcp.async_save(..., async_checkpointer_type=kind)`` (default PROCESS) staged by one
+    SnapshotStager,
+    with StreamingWriter and torch's FileSystemWriter: the writer process reads the snapshot
+    only after the test trained a step and dropped everything of the save but the response,
+    and the files hold TE's export at the save point; only raw bytes are staged, into shared
+    memory, and the second save allocates nothing."""
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    from .process_save import GatedFileSystemWriter, GatedStreamingWriter
+
+    kind = AsyncCheckpointerType.PROCESS if kind is None else kind
+    stager = SnapshotStager()
+    for i, (moments, master) in enumerate(modes):
+        writer_type = (GatedStreamingWriter, GatedFileSystemWriter)[i % 2]
+        where = f"rank {rank()} process {writer_type.__name__} {moments} {master}"
+        case = Case(backend, mesh, moments, master, seed=90 + i)
+        case.train(2, seed=91 + i)
+        for n in range(saves):
+            label = f"{where} save {n}"
+            ref = case.reference()
+            path = root / f"process{kind.value}{i}_{n}"
+            gate = root / f"process{kind.value}{i}_{n}.gate"
+            response = dcp.async_save(
+                {
+                    "model": get_model_state_dict(case.model),
+                    "optim": PlacedOptimizerState(case.model, case.opt, save="streaming"),
+                },
+                storage_writer=writer_type(path, gate),
+                async_stager=stager,
+                async_checkpointer_type=kind,
+                process_group=pg,
+            )
+            report = stager.last_report
+            assert report is not None and report.path == "snapshot", label
+            details = report.details
+            assert details["raw_bytes"] == raw_bytes(case.opt), f"{label}: {report}"
+            assert details["other_bytes"] == model_bytes(case.model), f"{label}: {report}"
+            if n > 0:  # one stager for the run: its buffers persist across saves
+                assert details["allocated_bytes"] == 0, f"{label}: not reused: {report}"
+            case.train(1, seed=95 + n)  # training goes on before the writer process reads
+            assert not same_bits(case.model_bits(), ref["model"]), f"{label}: no step"
+            gate.touch()
+            wait(response)
+            assert_loads(case, path, ref, label)
+    assert stager.buffer_bytes > 0
+    stager.close()
+    assert stager.buffer_bytes == 0
