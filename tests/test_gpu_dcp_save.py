@@ -10,7 +10,11 @@ checks them:
   bytes; host RSS growth at most 1 GiB + (writer threads + 1) x 4 x M (M: largest local state);
 - raw-snapshot async save (``StreamingWriter`` staging with ``SnapshotStager``): 0 extra GPU bytes;
   host RSS growth at most raw bytes + 1 GiB + (writer threads + 1) x 4 x M; training during the
-  write does not change the files.
+  write does not change the files;
+- on one GPU, the process-based async save (``AsyncCheckpointerType.PROCESS``, the way NeMo
+  Automodel and torchtitan's pinned-memory mode save) and the thread-based one, staged by one
+  ``SnapshotStager`` into pinned shared memory (``cudaHostRegister`` on the shared mapping), the
+  writer process converting as it writes: the files hold TE's export at the save point.
 """
 
 from __future__ import annotations
@@ -19,8 +23,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
-pytestmark = pytest.mark.multigpu
 
 WORLD = 2
 
@@ -58,9 +60,42 @@ def _worker(rank: int, port: int, root: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.multigpu
 def test_dcp_save_with_te_on_two_gpus(tmp_path: Path) -> None:
     from .support.distributed import spawn
 
     spawn(_worker, str(tmp_path))
     for ckpt in ("streaming0_2_0", "more/streaming2_2_1", "snapshot2_1", "reshard_async"):
         assert (tmp_path / ckpt / ".metadata").is_file(), f"{ckpt}: no checkpoint"
+
+
+def _process_worker(rank: int, port: int, root: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from .support import dcp_save_checks as checks
+    from .support.backends import CUDA
+    from .support.distributed import init_gpu_rank
+
+    init_gpu_rank(rank, port, timeout_s=600, world_size=1)
+    mesh = init_device_mesh("cuda", (1,))
+    pg = dist.new_group(backend="gloo")
+    bf16, fp16, fp8 = torch.bfloat16, torch.float16, torch.uint8
+    modes = [(bf16, "remainder"), (fp16, "fp32"), (fp8, "fp32"), (bf16, "fp32")]
+    try:
+        for kind in (AsyncCheckpointerType.PROCESS, AsyncCheckpointerType.THREAD):
+            checks.check_process_async(CUDA, mesh, pg, Path(root) / kind.value, modes, kind=kind)
+        torch.cuda.synchronize()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_process_async_snapshot_save_with_te_on_one_gpu(tmp_path: Path) -> None:
+    from .support.distributed import spawn
+
+    spawn(_process_worker, str(tmp_path), nprocs=1)
+    for kind in ("process", "thread"):
+        saved = sorted(p.name for p in (tmp_path / kind).glob("process*") if p.is_dir())
+        assert len(saved) == 8, f"{kind}: {saved}"  # 4 modes x 2 saves
