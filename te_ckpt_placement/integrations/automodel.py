@@ -96,8 +96,8 @@ def _unbounded_reason(checkpointer: Any, path: str) -> str | None:
     """Why this save or load keeps Automodel's own code (under the policy), or None."""
     config = checkpointer.config
     if getattr(config, "is_peft", False):
-        # OptimizerState may export torch's native (unflattened) state for PEFT
-        # (stateful_wrappers.py OptimizerState._use_native_optimizer_state); adapter states are small.
+        # OptimizerState may export torch's native (unflattened) state for PEFT (0.7.0
+        # stateful_wrappers.py OptimizerState._use_native_optimizer_state); adapters are small.
         return "a PEFT run (Automodel may save the optimizer's native state dict)"
     if str(path).startswith("msc://"):
         return "a multi-storage-client path (Automodel's own storage writer)"
@@ -128,9 +128,8 @@ def _optimizer_state(checkpointer: Any, model: Any, optimizer: Any, save: str) -
         flatten_optimizer_state_dict=True, cpu_offload=bool(checkpointer.config.cpu_offload)
     )
     placement = current_placement()  # the recipe's, set by the mixin around save/load_checkpoint
-    return PlacedOptimizerState(
-        model, optimizer, placement=placement, options=options, save=save  # type: ignore[arg-type]
-    )
+    mode: Any = save
+    return PlacedOptimizerState(model, optimizer, placement=placement, options=options, save=mode)
 
 
 def _state(checkpointer: Any, model: Any, optimizer: Any, scheduler: Any, save: str) -> Any:
@@ -271,10 +270,13 @@ class PlacementRecipeMixin:
 
     ``class MyRecipe(PlacementRecipeMixin, TrainFinetuneRecipeForNextTokenPrediction): ...``.
     The whole save is in scope (model, optimizer, scheduler); the policy only changes TE
-    ``FusedAdam`` exports and imports, which Automodel builds synchronously before any async
-    DCP staging, so the training steps never run under it. ``load_checkpoint`` gives fresh TE
-    optimizers their initial states for its load, so torch's ``get_optimizer_state_dict`` skips
-    its fake step on the GPU, and takes them back when it loads nothing (a fresh run).
+    ``FusedAdam`` exports and imports, so the training steps never run under it. Inside a
+    streaming policy the recipe's ``Checkpointer.save_optimizer`` is the streaming save (sync)
+    or the raw snapshot on the process executor (``is_async``; one ``SnapshotStager`` per run,
+    freed by ``Checkpointer.close``), and ``load_optimizer`` reads through
+    ``StreamingLoadPlanner``; the checkpoint is the one Automodel writes. ``load_checkpoint``
+    gives fresh TE optimizers their initial states for its load, so no fake step runs, and
+    takes them back when it loads nothing (a fresh run).
 
     Attributes:
         optimizer_export_placement: ``"cpu"`` by default, or a ``Placement``; ``None`` runs

@@ -1,4 +1,4 @@
-"""NeMo Automodel's real ``BaseRecipe`` and ``Checkpointer`` on CPU ranks (gloo), the stand-in hooked.
+"""NeMo Automodel's real ``BaseRecipe`` and ``Checkpointer`` on CPU ranks (gloo), stand-in hooked.
 
 Automodel's LLM recipe ``setup()`` calls ``torch.cuda``, so :class:`MinimalRecipe` sets up what
 ``BaseRecipe.save_checkpoint``/``load_checkpoint`` read (a model, ``[optimizer]``, ``[scheduler]``,
@@ -88,9 +88,17 @@ def recipe_class(placed: bool) -> type:
             self.optimizer = [run.opt]
             self.lr_scheduler = [
                 OptimizerParamScheduler(
-                    run.opt, init_lr=1e-3, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=1,
-                    lr_decay_steps=8, lr_decay_style="cosine", start_wd=0.0, end_wd=0.0,
-                    wd_incr_steps=8, wd_incr_style="constant",
+                    run.opt,
+                    init_lr=1e-3,
+                    max_lr=1e-2,
+                    min_lr=1e-3,
+                    lr_warmup_steps=1,
+                    lr_decay_steps=8,
+                    lr_decay_style="cosine",
+                    start_wd=0.0,
+                    end_wd=0.0,
+                    wd_incr_steps=8,
+                    wd_incr_style="constant",
                 )
             ]
             self.cfg = ConfigNode({"recipe": "MinimalRecipe"})
@@ -104,9 +112,7 @@ def recipe_class(placed: bool) -> type:
                 model_cache_dir=None,
                 is_peft=False,
             )
-            self.checkpointer = Checkpointer(
-                config, dp_rank=dist.get_rank(), tp_rank=0, pp_rank=0
-            )
+            self.checkpointer = Checkpointer(config, dp_rank=dist.get_rank(), tp_rank=0, pp_rank=0)
 
         def train(self, steps: int, seed: int) -> None:
             for _ in range(steps):
@@ -149,7 +155,7 @@ def save_phase(rank: int, port: int, world: int, tmp: Path, failures: Any) -> No
             recipe.train(1, seed=1 + SAVE_STEP)  # during the async write
             recipe.checkpointer.async_wait()
             recipe.checkpointer.lifecycle.complete_pending()
-        except Exception as exc:  # noqa: BLE001 - reported to the test, which decides
+        except Exception as exc:  # reported to the test, which decides
             if rank == 0:
                 failures[name] = f"{type(exc).__name__}: {exc}"
             recipe.checkpointer._optim_ctx.future = None  # the failed save, reported above
@@ -190,9 +196,13 @@ def resume_phase(rank: int, port: int, world: int, tmp: Path, results: Any) -> N
         had_state = bool(run.opt.state)
         recipe.train(1, seed=1)
         recipe._finalize_and_close_checkpointer()
+        full = te_full(run)  # a collective: every rank
         if rank == 0:
-            results[("fresh", placed)] = (had_state, [g["step"] for g in run.opt.param_groups],
-                                          te_full(run))
+            results[("fresh", placed)] = (
+                had_state,
+                [g["step"] for g in run.opt.param_groups],
+                full,
+            )
     dist.destroy_process_group()
 
 
@@ -206,4 +216,3 @@ def spawn_phase(phase: Any, world: int, tmp: Path) -> dict[Any, Any]:
         shared = manager.dict()
         mp.spawn(phase, args=(free_port(), world, tmp, shared), nprocs=world, join=True)
         return dict(shared)
-
