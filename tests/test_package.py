@@ -48,6 +48,9 @@ def test_fused_adam_without_te_says_how_to_install_it() -> None:
 OPTIONAL_IMPORTS = {
     "transformer_engine": ("te", "transformer-engine"),
     "megatron": ("megatron", "megatron-core"),
+    # The framework tests' own venv (.ci/run): tests/support/frameworks.py.
+    "nemo_automodel": ("automodel", "nemo-automodel"),
+    "torchtitan": ("torchtitan", "torchtitan"),
 }
 
 
@@ -178,3 +181,42 @@ def test_the_examples_without_te_say_what_they_need() -> None:
         assert message.startswith(f"examples/{example.name} needs "), message
         assert "CUDA GPU" in message and "pip install 'transformer-engine[pytorch]'" in message
         assert "transformer_engine" in message.rpartition("; here: ")[2]  # what is missing here
+
+
+# --- the framework tests: their own venv in CI, never skipped there ------------------------------
+
+
+def _framework_test_modules() -> set[str]:
+    """The test modules that import their framework through ``support.frameworks.require``."""
+    return {
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "tests").glob("test_*.py")
+        if re.search(r"^require\(", path.read_text(), re.MULTILINE)
+    }
+
+
+def test_ci_runs_every_framework_test_module_where_skipping_fails() -> None:
+    from .support.frameworks import REQUIRED
+
+    modules = _framework_test_modules()
+    assert "tests/test_integrations_automodel.py" in modules, modules
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    runs = [line for line in ci if "pytest" in line and f"{REQUIRED}=1" in line]
+    assert runs, f".ci/run runs no pytest with {REQUIRED}=1"
+    missing = {m for m in modules if not any(m in line for line in runs)}
+    assert not missing, f".ci/run does not run {sorted(missing)} with {REQUIRED}=1"
+    assert any(".[test-frameworks]" in line for line in ci), ".ci/run installs no framework venv"
+
+
+def test_a_missing_framework_fails_where_the_framework_tests_are_required(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from .support import frameworks
+
+    monkeypatch.setitem(sys.modules, "nemo_automodel", None)  # import fails, installed or not
+    monkeypatch.setenv(frameworks.REQUIRED, "1")
+    with pytest.raises(ImportError, match="TE_CKPT_PLACEMENT_FRAMEWORK_TESTS is set"):
+        frameworks.require("nemo_automodel", "automodel")
+    monkeypatch.delenv(frameworks.REQUIRED)
+    with pytest.raises(pytest.skip.Exception, match="needs nemo_automodel"):
+        frameworks.require("nemo_automodel", "automodel")

@@ -11,10 +11,14 @@ Two YAML routes, usable together:
   ``state_dict()`` and ``load_state_dict()`` stream on every call;
 - the recipe, ``recipe: te_ckpt_placement.integrations.automodel.PlacementFinetuneRecipe``:
   ``save_checkpoint`` and ``load_checkpoint`` run inside ``export_placement``, which covers the
-  ``Checkpointer.save_optimizer``/``load_optimizer`` calls they make (the load builds its DCP
-  template with ``optimizer.state_dict()``) for a plain TE ``_target_`` optimizer too. For the
-  load, fresh TE optimizers get their states directly, so torch skips its fake step; when
-  ``load_checkpoint`` loads nothing (a fresh run), those states are taken back.
+  ``Checkpointer.save_optimizer``/``load_optimizer`` calls they make, for a plain TE
+  ``_target_`` optimizer too, and routes those two to the bounded DCP paths (:mod:`._bounded`):
+  a sync save is the streaming save, an ``is_async: true`` save the raw snapshot on Automodel's
+  process executor with one ``SnapshotStager`` kept for the run (instead of a fresh
+  ``DefaultStager`` per save), and the load reads through ``StreamingLoadPlanner`` (no FP32
+  template). For the load, fresh TE optimizers get their states directly, so torch skips its
+  fake step; when ``load_checkpoint`` loads nothing (a fresh run), those states are taken back.
+  The checkpoint is the one Automodel writes (``<step dir>/optim``: ``optim.*`` and ``sched``).
 
 Launchers. Automodel's CLI resolves a dotted ``recipe:`` with ``importlib.import_module`` +
 ``getattr`` when it runs the recipe in-process (one device, or under ``torchrun -m
@@ -28,14 +32,19 @@ nemo_automodel.cli.app config.yaml``.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
 import sys
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
-from te_ckpt_placement._policy import as_placement
+from te_ckpt_placement import _wrap
+from te_ckpt_placement._policy import as_placement, current_placement
 
 # Absolute imports: the module also runs as a script (Automodel's torchrun launchers).
-from te_ckpt_placement.integrations import _resume
+from te_ckpt_placement.integrations import _bounded, _resume
 from te_ckpt_placement.integrations._methods import (
     Framework,
     Method,
@@ -76,15 +85,177 @@ def _recipe_optimizers(recipe: Any) -> list[Any]:
     return found
 
 
+# --- the Checkpointer's optimizer save and load, routed to the bounded paths -------------------
+# The recipe's one SnapshotStager for is_async saves, kept for the run (Automodel 0.7.0 closes its
+# DefaultStager after every save: checkpointing.py Checkpointer._release_async_stager).
+STAGER = "_te_ckpt_placement_stager"
+OWNER = "te_ckpt_placement.integrations.automodel"
+
+
+def _unbounded_reason(checkpointer: Any, path: str) -> str | None:
+    """Why this save or load keeps Automodel's own code (under the policy), or None."""
+    config = checkpointer.config
+    if getattr(config, "is_peft", False):
+        # OptimizerState may export torch's native (unflattened) state for PEFT (0.7.0
+        # stateful_wrappers.py OptimizerState._use_native_optimizer_state); adapters are small.
+        return "a PEFT run (Automodel may save the optimizer's native state dict)"
+    if str(path).startswith("msc://"):
+        return "a multi-storage-client path (Automodel's own storage writer)"
+    return None
+
+
+_warned: set[str] = set()
+
+
+def _keep_automodel(reason: str) -> None:
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(
+            f"te_ckpt_placement: {reason}: Automodel's own optimizer save/load runs, under the "
+            "export policy but holding the whole FP32 export on the host; the bounded paths "
+            "cover flattened (non-PEFT) optimizer states on file paths",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+
+def _optimizer_state(checkpointer: Any, model: Any, optimizer: Any, save: str) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    from te_ckpt_placement.dcp import PlacedOptimizerState
+
+    options = StateDictOptions(
+        flatten_optimizer_state_dict=True, cpu_offload=bool(checkpointer.config.cpu_offload)
+    )
+    placement = current_placement()  # the recipe's, set by the mixin around save/load_checkpoint
+    mode: Any = save
+    return PlacedOptimizerState(model, optimizer, placement=placement, options=options, save=mode)
+
+
+def _state(checkpointer: Any, model: Any, optimizer: Any, scheduler: Any, save: str) -> Any:
+    # Automodel's layout (stateful_wrappers.py OptimizerState.state_dict): the flattened optimizer
+    # state under "optim", the first scheduler's state dict under "sched".
+    state: dict[str, Any] = {"optim": _optimizer_state(checkpointer, model, optimizer, save)}
+    if scheduler is not None:
+        schedulers = scheduler if isinstance(scheduler, (list, tuple)) else [scheduler]
+        state["sched"] = _bounded.SchedulerState(list(schedulers))
+    return state
+
+
+def _save_optimizer(
+    checkpointer: Any,
+    original: Any,
+    optimizer: Any,
+    model: Any,
+    weights_path: str,
+    scheduler: Any = None,
+    **kwargs: Any,
+) -> None:
+    """``Checkpointer.save_optimizer`` through the streaming save or the raw snapshot."""
+    path = os.path.join(weights_path, "optim")
+    reason = _unbounded_reason(checkpointer, path)
+    if reason is not None:
+        _keep_automodel(reason)
+        return original(optimizer, model, weights_path, scheduler, **kwargs)  # type: ignore[no-any-return]
+    # Automodel's own directory set-up (every rank sees the directory before any writes).
+    module = importlib.import_module(type(checkpointer).__module__)
+    module._ensure_shared_dirs(path, process_group=checkpointer.process_group)
+    state = _state(checkpointer, model, optimizer, scheduler, "streaming")
+    if not checkpointer.config.is_async:
+        _bounded.save(state, path, process_group=checkpointer.process_group)
+        return None
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    ctx = checkpointer._optim_ctx  # Automodel's async bookkeeping (checkpointing._AsyncSaveContext)
+    if ctx.stager is not None:  # Automodel's DefaultStager, unused on this route
+        ctx.stager.close()
+        ctx.stager = None  # so async_wait's _release_async_stager leaves ours alone
+    stager = getattr(checkpointer, STAGER, None)
+    if stager is None:
+        from te_ckpt_placement.dcp import SnapshotStager
+
+        stager = SnapshotStager()
+        setattr(checkpointer, STAGER, stager)
+    result = _bounded.save(
+        state,
+        path,
+        process_group=ctx.process_group,
+        executor=AsyncCheckpointerType.PROCESS,
+        stager=stager,
+    )
+    ctx.future = _bounded.as_response(result)  # Automodel waits on staging_completion
+    ctx.staging_active = True
+    return None
+
+
+def _load_optimizer(
+    checkpointer: Any,
+    original: Any,
+    optimizer: Any,
+    model: Any,
+    weights_path: str,
+    scheduler: Any = None,
+    **kwargs: Any,
+) -> None:
+    """``Checkpointer.load_optimizer`` through ``StreamingLoadPlanner``."""
+    path = os.path.join(weights_path, "optim")
+    reason = _unbounded_reason(checkpointer, path)
+    if reason is not None:
+        _keep_automodel(reason)
+        return original(optimizer, model, weights_path, scheduler, **kwargs)  # type: ignore[no-any-return]
+    state = _state(checkpointer, model, optimizer, scheduler, "export")
+    _bounded.load(state, path, state["optim"], process_group=checkpointer.process_group)
+    return None
+
+
+def _close(checkpointer: Any, original: Any, *args: Any, **kwargs: Any) -> Any:
+    """``Checkpointer.close`` that also frees the run's snapshot buffers."""
+    try:
+        return original(*args, **kwargs)
+    finally:
+        stager = vars(checkpointer).pop(STAGER, None)
+        if stager is not None:
+            stager.close()
+
+
+ROUTES = (("save_optimizer", _save_optimizer), ("load_optimizer", _load_optimizer))
+
+
+@contextlib.contextmanager
+def _routed(recipe: Any) -> Iterator[None]:
+    """The recipe's checkpointer saves and loads optimizer state on the bounded paths for the
+    block (inside a streaming policy only; ``None`` keeps Automodel's own)."""
+    checkpointer = getattr(recipe, "checkpointer", None)
+    if checkpointer is None or not _resume.streaming():
+        yield
+        return
+    # Kept on the instance for the run: frees the stager when the recipe finalizes its checkpointer.
+    _wrap.add_wrapper(checkpointer, "close", _close, owner=OWNER)
+    with contextlib.ExitStack() as stack:
+        for name, around in ROUTES:
+            stack.enter_context(_wrap.wrapping(checkpointer, name, around, owner=OWNER))
+        yield
+
+
+def _save_checkpoint(recipe: Any, original: Any, *args: Any, **kwargs: Any) -> Any:
+    """``BaseRecipe.save_checkpoint`` with the optimizer saved on the bounded paths."""
+    with _routed(recipe):
+        return original(*args, **kwargs)
+
+
 def _load_checkpoint(recipe: Any, original: Any, *args: Any, **kwargs: Any) -> Any:
     """``BaseRecipe.load_checkpoint`` with fresh TE optimizers' states built for its load (taken
-    back when it loads nothing, as on a fresh run)."""
-    with _resume.initialized(_recipe_optimizers(recipe)):
+    back when it loads nothing, as on a fresh run), the optimizer read by the streaming load."""
+    with _resume.initialized(_recipe_optimizers(recipe)), _routed(recipe):
         return original(*args, **kwargs)
 
 
 METHODS = (
-    Method("save_checkpoint", "every recipe checkpoint save (model, optimizer, scheduler)"),
+    Method(
+        "save_checkpoint",
+        "every recipe checkpoint save (model, optimizer, scheduler)",
+        around=_save_checkpoint,
+    ),
     Method(
         "load_checkpoint",
         "resume: Checkpointer.load_model and load_optimizer",
@@ -99,10 +270,13 @@ class PlacementRecipeMixin:
 
     ``class MyRecipe(PlacementRecipeMixin, TrainFinetuneRecipeForNextTokenPrediction): ...``.
     The whole save is in scope (model, optimizer, scheduler); the policy only changes TE
-    ``FusedAdam`` exports and imports, which Automodel builds synchronously before any async
-    DCP staging, so the training steps never run under it. ``load_checkpoint`` gives fresh TE
-    optimizers their initial states for its load, so torch's ``get_optimizer_state_dict`` skips
-    its fake step on the GPU, and takes them back when it loads nothing (a fresh run).
+    ``FusedAdam`` exports and imports, so the training steps never run under it. Inside a
+    streaming policy the recipe's ``Checkpointer.save_optimizer`` is the streaming save (sync)
+    or the raw snapshot on the process executor (``is_async``; one ``SnapshotStager`` per run,
+    freed by ``Checkpointer.close``), and ``load_optimizer`` reads through
+    ``StreamingLoadPlanner``; the checkpoint is the one Automodel writes. ``load_checkpoint``
+    gives fresh TE optimizers their initial states for its load, so no fake step runs, and
+    takes them back when it loads nothing (a fresh run).
 
     Attributes:
         optimizer_export_placement: ``"cpu"`` by default, or a ``Placement``; ``None`` runs
