@@ -19,7 +19,6 @@ require("nemo_automodel.components.checkpoint.checkpointing", "automodel")
 from .support import automodel_run  # noqa: E402
 from .support.helpers import assert_same_export  # noqa: E402
 
-PROCESS_XFAIL = "needs the process-safe snapshot (issue 21 item 1)"
 
 
 def _same(ours: dict[str, Any], ref: dict[str, Any], where: str) -> None:
@@ -84,7 +83,6 @@ def test_fresh_run_starts_at_step_one(phases: Any) -> None:
     _same(placed_run, plain_run, "fresh run, placed vs plain recipe")
 
 
-@pytest.mark.xfail(strict=True, reason=PROCESS_XFAIL)
 def test_async_process_save_is_the_snapshot(phases: Any) -> None:
     """``is_async: true``: the raw snapshot on Automodel's process executor, one stager for the
     run (closed with the checkpointer); the checkpoint is TE's export at the save point although
