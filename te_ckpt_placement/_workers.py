@@ -199,12 +199,20 @@ def _loop(tasks: queue.SimpleQueue[Task | None], ready: Future[None]) -> None:
             return
         future, fn = item
         del item
-        if future.set_running_or_notify_cancel():  # False: cancelled by an interrupted caller
-            try:
-                future.set_result(contextvars.Context().run(fn))  # no policy, whatever the caller's
-            except BaseException as exc:
-                future.set_exception(exc)
-        del future, fn  # nothing of a finished task stays referenced here
+        if not future.set_running_or_notify_cancel():  # cancelled by an interrupted caller
+            continue
+        # The task is dropped before its future completes: the caller may then reuse whatever
+        # it referenced (a kept buffer is reused only when nothing else references it).
+        try:
+            result = contextvars.Context().run(fn)  # no policy, whatever the caller's
+        except BaseException as exc:
+            del fn
+            future.set_exception(exc)
+        else:
+            del fn
+            future.set_result(result)
+            del result
+        del future
 
 
 class _Pool:
