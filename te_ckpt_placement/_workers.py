@@ -273,13 +273,15 @@ def threads() -> int:
     return 0 if pool is None else len(pool.threads)
 
 
-def run(tasks: Sequence[Callable[[], Any]]) -> list[Any]:
+def run(tasks: Sequence[Callable[[], Any]], *, workers: int | None = None) -> list[Any]:
     """Runs ``tasks`` on the pool and returns their results, in order, once all have finished.
+
+    The pool has at least ``workers`` threads (default: one per task) when they start.
 
     A task's exception is re-raised here (the first in task order), after the tasks not yet
     started were cancelled and the running ones finished; so is an interrupt of the caller.
     """
-    start(len(tasks))
+    start(len(tasks) if workers is None else workers)
     pool = _pool
     assert pool is not None
     futures = [pool.submit(task) for task in tasks]
