@@ -529,8 +529,10 @@ def run_case(
     *,
     master: str = "remainder",
     device: str = "cuda",
+    settings: list[Setting] | None = None,
 ) -> list[dict[str, Any]]:
     model, opt = build(n, m, MOMENTS[moments], master=master, device=device)
+    settings = settings or [(torch.get_num_threads(), None)]
     local = sum(p.numel() for p in model.parameters())
     largest = max(p.numel() for p in model.parameters())
     raw_bytes, out_bytes = state_bytes(opt)
@@ -564,33 +566,85 @@ def run_case(
         if failed:
             print(f"  REPORT CHECK FAILED: {'; '.join(failed)}", flush=True)
 
-    if "export" in ops:
-        bound_first = max(raw_bytes / bw["d2h"], out_bytes / bw["fresh"])
-        bound_repeat = max(raw_bytes / bw["d2h"], out_bytes / bw["warm"])
-        for mode in modes:
-            if mode.startswith("placement_cpu"):
-                for repeat in (False, True):
-                    bound = bound_repeat if repeat else bound_first
+    def run_ops(ops: tuple[str, ...], modes: tuple[str, ...], tags: dict[str, Any]) -> None:
+        te_tags = {**tags, "host_workers": 0}  # TE's own path runs no host workers
+        if "export" in ops:
+            bound_first = max(raw_bytes / bw["d2h"], out_bytes / bw["fresh"])
+            bound_repeat = max(raw_bytes / bw["d2h"], out_bytes / bw["warm"])
+            for mode in modes:
+                if mode.startswith("placement_cpu"):
+                    for repeat in (False, True):
+                        bound = bound_repeat if repeat else bound_first
+                        add(
+                            "export",
+                            mode,
+                            measure(mode, model, opt),
+                            repeat=repeat,
+                            bound_seconds=bound,
+                            **tags,
+                        )
+                else:
                     add(
                         "export",
                         mode,
                         measure(mode, model, opt),
-                        repeat=repeat,
-                        bound_seconds=bound,
+                        repeat=False,
+                        bound_seconds=bound_first,
+                        **te_tags,
                     )
-            else:
+
+        if "load" in ops:
+            for rec in load_case(opt, base, bw, device=device, largest=largest):
+                mode = rec.pop("mode")
                 add(
-                    "export",
+                    "load",
                     mode,
-                    measure(mode, model, opt),
-                    repeat=False,
-                    bound_seconds=bound_first,
+                    rec,
+                    **(te_tags if mode == "te_default" else tags),
                 )
 
-    if "load" in ops:
-        for rec in load_case(opt, base, bw, device=device, largest=largest):
-            add("load", rec.pop("mode"), rec)
+    from te_ckpt_placement import release_buffers
+
+    for k, (threads, workers) in enumerate(settings):
+        # TE's own path uses no host workers: once per thread setting is enough.
+        te_too = all(t != threads for t, _ in settings[:k])
+        with thread_setting(threads, workers) as used:
+            tags = {"intra_op_threads": threads, "host_workers": used, "host_cpus": host_cpus()}
+            ours = tuple(x for x in modes if not x.startswith("te_"))
+            run_ops(ops, modes if te_too else ours, tags)
+        release_buffers()
     return records
+
+
+Setting = tuple[int, "int | None"]  # (torch intra-op threads, host_workers; None: the default)
+
+
+def host_cpus() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+@contextlib.contextmanager
+def thread_setting(threads: int, workers: int | None) -> Iterator[int]:
+    """torch at ``threads`` intra-op threads and the package's host workers at ``workers`` (None:
+    its default) for the block; yields the pool size the conversions use (1: none)."""
+    from te_ckpt_placement import _workers
+
+    before, env = torch.get_num_threads(), os.environ.get(_workers.ENV)
+    torch.set_num_threads(threads)
+    if workers is None:
+        os.environ.pop(_workers.ENV, None)
+    else:
+        os.environ[_workers.ENV] = str(workers)
+    try:
+        used = _workers.count()
+        yield 0 if used <= 1 else used
+    finally:
+        torch.set_num_threads(before)
+        if env is None:
+            os.environ.pop(_workers.ENV, None)
+        else:
+            os.environ[_workers.ENV] = env
 
 
 def host_read_rate(nbytes: int = 2 * G, repeats: int = 3) -> float:
@@ -718,7 +772,7 @@ def format_row(r: dict[str, Any]) -> str:
 
 
 Case = tuple[int, int, str, tuple[str, ...], str]
-SWEEPS = ("default", "full", "speed", "load", "load_1g", "smoke")
+SWEEPS = ("default", "full", "speed", "load", "load_1g", "threads", "smoke")
 
 
 def cases(sweep: str) -> list[Case]:
@@ -755,6 +809,10 @@ def cases(sweep: str) -> list[Case]:
         out = [(G, 64 * MI, "bf16", load, master) for master in (r, "fp32")]
         out += [(G, 64 * MI, d, load, r) for d in ("fp16", "fp8", "fp32")]
         return out
+    if sweep == "threads":  # issue 20: every storage mode at N = 1 G, export and load
+        out = [(G, 64 * MI, "bf16", both, master) for master in (r, "fp32")]
+        out += [(G, 64 * MI, d, both, r) for d in ("fp16", "fp8", "fp32")]
+        return out
     if sweep == "smoke":  # the CPU smoke run: the load op on TE's stand-in, small
         load = ("load",)
         return [(8 * MI, 2 * MI, d, load, m) for d, m in (("bf16", r), ("bf16", "fp32"))] + [
@@ -768,7 +826,7 @@ def cpu_machine() -> dict[str, Any]:
         "device": "cpu (TE's stand-in, tests/support/standin.py)",
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "host_cpus": os.cpu_count(),
+        "host_cpus": host_cpus(),
         "intra_op_threads": torch.get_num_threads(),
     }
 
@@ -854,6 +912,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ops", default=None, help="export, load or both (default: both)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: none)")
+    parser.add_argument(
+        "--intra-op-threads",
+        default=None,
+        help="comma-separated torch.set_num_threads values, each op run under each (default: "
+        "torch's current count); e.g. 1,16 (1 is torchrun's OMP_NUM_THREADS=1 per rank)",
+    )
+    parser.add_argument(
+        "--host-workers",
+        default="default",
+        help="comma-separated host_workers settings, each run at every thread setting: "
+        "'default' (the package's own: this process's share of its CPUs), 0 (none) or a count",
+    )
+    parser.add_argument(
+        "--n-elements",
+        type=float,
+        default=None,
+        help="override every case's N, in G elements (2**30), e.g. 1",
+    )
     args = parser.parse_args(argv)
     cuda = args.device == "cuda"
     sweep = args.sweep or ("default" if cuda else "smoke")
@@ -880,6 +956,23 @@ def main(argv: list[str] | None = None) -> int:
         if m not in MODES:
             parser.error(f"unknown mode {m!r}; valid: {', '.join(MODES)}")
     plan = plan_cases(sweep, ops)
+    if args.n_elements is not None:
+        n_override = int(args.n_elements * G)
+        plan = [(n_override, min(m, n_override), d, o, ma) for _, m, d, o, ma in plan]
+    try:
+        thread_counts = [
+            int(t) for t in (args.intra_op_threads or str(torch.get_num_threads())).split(",") if t
+        ]
+        worker_settings = [
+            None if w == "default" else int(w) for w in args.host_workers.split(",") if w
+        ]
+    except ValueError as exc:
+        parser.error(
+            f"--intra-op-threads takes integers, --host-workers 'default' or integers: {exc}"
+        )
+    if any(t < 1 for t in thread_counts) or any(w is not None and w < 0 for w in worker_settings):
+        parser.error("--intra-op-threads must be >= 1 and --host-workers 'default' or >= 0")
+    settings: list[Setting] = [(t, w) for t in thread_counts for w in worker_settings]
     if not cuda:
         print(STANDIN_NOTE, flush=True)
     bw = prepare_host(cuda, plan)
@@ -901,7 +994,17 @@ def main(argv: list[str] | None = None) -> int:
 
     for n, m, moments, case_ops, master in plan:
         records.extend(
-            run_case(n, m, moments, modes, case_ops, bw, master=master, device=args.device)
+            run_case(
+                n,
+                m,
+                moments,
+                modes,
+                case_ops,
+                bw,
+                master=master,
+                device=args.device,
+                settings=settings,
+            )
         )
         save()
         release_buffers()

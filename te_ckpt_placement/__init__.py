@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from . import _pool
 from ._host_budget import HostBudgetWarning
 from ._policy import Placement, current_placement, export_placement
+from ._prewarm import prewarm
 from ._reports import TransferReport, last_report
 from ._te_contract import ContractError
 from ._te_hooks import install, is_installed, uninstall
@@ -38,6 +39,7 @@ __all__ = [
     "is_installed",
     "last_report",
     "pinned_pool_bytes",
+    "prewarm",
     "release_buffers",
     "uninstall",
 ]

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from . import _reports as reports
+from . import _workers
 from ._tensors import te_layout_like
 
 
@@ -69,14 +70,96 @@ def block_elements() -> int:
     return max(1 << 20, torch.get_num_threads() << 18)
 
 
-def _blocked(convert: Convert) -> Convert:
-    def run(raw: torch.Tensor, out: torch.Tensor, scratch: Scratch) -> None:
+def _blocked(convert: Convert, *, scratch: torch.dtype | None = None) -> Convert:
+    """``convert`` run block by block (``scratch``: the dtype of its one-element-per-element
+    work buffer, if it uses one), on the host workers when there are any (:mod:`._workers`).
+
+    Every conversion here is elementwise with per-tensor constants, so any split gives the same
+    bits; a worker converts its share in blocks of :data:`WORKER_BLOCK_ELEMENTS` (its own cache),
+    with its own slice of the caller's scratch.
+    """
+
+    def run(raw: torch.Tensor, out: torch.Tensor, work: Scratch) -> None:
         flat_raw, flat_out = raw.reshape(-1), out.view(-1)
+        n = flat_raw.numel()
+        parts = _workers.parts_for(n, _workers.count())
+        if parts > 1:
+            bounds = _workers.ranges(n, parts)
+            step = min(BLOCK_ELEMENTS or WORKER_BLOCK_ELEMENTS, bounds[0][1])
+            base = None if scratch is None else work.get(len(bounds) * step, scratch)
+            _workers.run(
+                [
+                    functools.partial(
+                        _convert_range,
+                        convert,
+                        flat_raw[a:b],
+                        flat_out[a:b],
+                        _Slice(None if base is None else base[i * step : (i + 1) * step]),
+                        step,
+                    )
+                    for i, (a, b) in enumerate(bounds)
+                ]
+            )
+            return
         step = block_elements()
-        for a in range(0, flat_raw.numel(), step):
-            convert(flat_raw[a : a + step], flat_out[a : a + step], scratch)
+        for a in range(0, n, step):
+            convert(flat_raw[a : a + step], flat_out[a : a + step], work)
 
     return run
+
+
+#: Elements per block of a worker's share (one torch thread: 1 MiB of FP32 in its cache).
+WORKER_BLOCK_ELEMENTS = 1 << 18
+
+
+class _Slice:
+    """One worker's part of the caller's scratch (:class:`Scratch`), made before the tasks run."""
+
+    def __init__(self, buffer: torch.Tensor | None) -> None:
+        self._buffer = buffer
+
+    def get(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        buffer = self._buffer
+        assert buffer is not None and buffer.dtype == dtype and numel <= buffer.numel()
+        return buffer[:numel]
+
+
+def _convert_range(
+    convert: Convert, raw: torch.Tensor, out: torch.Tensor, work: Scratch, step: int
+) -> None:
+    for a in range(0, raw.numel(), step):
+        convert(raw[a : a + step], out[a : a + step], work)
+
+
+def _split_rows(
+    fn: Callable[[torch.Tensor, torch.Tensor], None], out: torch.Tensor, src: torch.Tensor
+) -> bool:
+    """Runs ``fn(out[a:b], src[a:b])`` over dim-0 ranges on the host workers; False: not split."""
+    if out.dim() == 0 or out.shape[0] < 2:
+        return False
+    rows = out.shape[0]
+    parts = min(rows, _workers.parts_for(out.numel(), _workers.count()))
+    if parts < 2:
+        return False
+    align = max(1, -(-1024 // max(1, out[0].numel())))  # about 1 Ki elements, in rows
+    bounds = _workers.ranges(rows, parts, align=align)
+    _workers.run([functools.partial(fn, out[a:b], src[a:b]) for a, b in bounds])
+    return True
+
+
+def _copy_into(out: torch.Tensor, src: torch.Tensor) -> None:
+    out.copy_(src)
+
+
+def copy_rows(out: torch.Tensor, src: torch.Tensor) -> None:
+    """``out.copy_(src)`` of two host tensors of one shape, on the host workers when there are any.
+
+    Split only where the bits do not depend on the kernel torch picks for a layout: the same
+    dtype, or BF16 widened to FP32 (integer shifts in every kernel).
+    """
+    alike = out.dtype == src.dtype or (src.dtype, out.dtype) == (torch.bfloat16, torch.float32)
+    if not (alike and _split_rows(_copy_into, out, src)):
+        out.copy_(src)
 
 
 # --- exact FP32 scaling, whatever the thread's FTZ/DAZ mode -------------------------------------
@@ -198,8 +281,8 @@ def dequantize_e4m3(
 
 def _copy(raw: torch.Tensor, out: torch.Tensor, scratch: Scratch) -> None:
     # Same dtype (a memcpy), or BF16 widened to FP32, which torch does with integer shifts:
-    # exact, in any FTZ/DAZ mode.
-    out.copy_(raw)
+    # exact, in any FTZ/DAZ mode, and elementwise, so on the host workers too.
+    copy_rows(out.view(-1), raw.reshape(-1))
 
 
 def _widen_and_scale(smallest: float, scale: float, fp8: torch.dtype | None = None) -> Convert:
@@ -233,7 +316,8 @@ def convert_fn(source: Source) -> tuple[torch.dtype, Convert]:
         assert source.scale is not None and source.fp8_dtype is not None
         scale, fp8 = fp32_value(source.scale), source.fp8_dtype
         if fp8 == torch.float8_e4m3fn:
-            return torch.float32, _blocked(functools.partial(dequantize_e4m3, scale=scale))
+            decode = functools.partial(dequantize_e4m3, scale=scale)
+            return torch.float32, _blocked(decode, scratch=torch.int16)
         if fp8 == torch.float8_e5m2:
             # TE's own CPU formula (float8_tensor_storage.py L36-42): widen, * scale_inv.
             return torch.float32, _blocked(_widen_and_scale(_SMALLEST[fp8], scale, fp8))
@@ -293,7 +377,15 @@ def bf16_by_kernel(values: torch.Tensor, vectorized: bool) -> torch.Tensor:
 
 
 def to_bf16(out: torch.Tensor, block: torch.Tensor, whole_vectorized: bool | None) -> None:
-    """Converts ``block`` into ``out`` (contiguous BF16) with the bits of the whole conversion."""
+    """Converts ``block`` into ``out`` (contiguous BF16) with the bits of the whole conversion.
+
+    On the host workers, row ranges of the block each get the bits of the whole conversion too.
+    """
+    if not _split_rows(functools.partial(_to_bf16, whole_vectorized=whole_vectorized), out, block):
+        _to_bf16(out, block, whole_vectorized)
+
+
+def _to_bf16(out: torch.Tensor, block: torch.Tensor, whole_vectorized: bool | None) -> None:
     source = block if block.dtype == torch.float32 else block.float()
     out.copy_(source)
     mine = vectorized(tuple(out.stride()), tuple(source.shape), tuple(source.stride()))

@@ -23,6 +23,20 @@ import torch
 
 VALID_CONVERSIONS = ("host", "device")
 
+_VALID_HOST_WORKERS = (
+    "None (the default: TE_CKPT_PLACEMENT_HOST_WORKERS if set, else this process's share of "
+    "its CPUs), 0 or 1 (no pool: convert on the calling thread with torch's intra-op threads) "
+    "or an integer >= 2 (that many host worker threads, one torch thread each)"
+)
+
+
+def check_host_workers(value: object, *, name: str = "host_workers") -> int | None:
+    """``value`` if it is a valid ``host_workers`` setting; ``ValueError`` naming the valid ones."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        return value  # type: ignore[return-value]
+    raise ValueError(f"unsupported {name} {value!r}: valid values are {_VALID_HOST_WORKERS}")
+
+
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
@@ -69,16 +83,25 @@ class Placement:
             the previous state back exactly, at the price of a host copy of every live state
             the load overwrites (as much host memory as the optimizer states, copied as the
             load goes), which doubles the host memory of a load.
+        host_workers: Threads of the package's own that run the host conversions and first
+            touches of exports and loads, each with one torch intra-op thread, so they stay
+            fast when torch runs one thread per rank (torchrun's ``OMP_NUM_THREADS=1``).
+            ``None`` (default): ``TE_CKPT_PLACEMENT_HOST_WORKERS`` if set, else this process's
+            share of its CPUs (``len(os.sched_getaffinity(0)) // LOCAL_WORLD_SIZE``, at least
+            1). ``0`` or ``1``: no workers, the conversions run on the calling thread with
+            torch's own intra-op threads. The results are the same bits either way.
 
     Example:
-        >>> Placement(device="cpu")
-        Placement(device='cpu', conversion='host', reuse_buffers=False, rollback=False)
+        >>> Placement(device="cpu")  # doctest: +NORMALIZE_WHITESPACE
+        Placement(device='cpu', conversion='host', reuse_buffers=False, rollback=False,
+                  host_workers=None)
     """
 
     device: Literal["cpu"] | None = "cpu"
     conversion: Literal["host", "device"] = "host"
     reuse_buffers: bool = False
     rollback: bool = False
+    host_workers: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", _normalize_device(self.device))
@@ -99,6 +122,7 @@ class Placement:
                 "restores the previous state) or False (no host copy; loading the checkpoint "
                 "again repairs a failed load)"
             )
+        check_host_workers(self.host_workers)
 
     @property
     def streams(self) -> bool:
@@ -282,6 +306,7 @@ class export_placement:  # noqa: N801 - used like contextlib's lower-case helper
         conversion: ``"host"`` or ``"device"``; see :class:`Placement`.
         reuse_buffers: ``True`` or ``False``; see :class:`Placement`.
         rollback: ``True`` or ``False``; see :class:`Placement`.
+        host_workers: ``None``, ``0`` or a positive integer; see :class:`Placement`.
 
     Raises:
         ValueError: for any other device or option value, or options next to a ``Placement``.
@@ -304,8 +329,14 @@ class export_placement:  # noqa: N801 - used like contextlib's lower-case helper
         conversion: Literal["host", "device"] | _Default = _DEFAULT,
         reuse_buffers: bool | _Default = _DEFAULT,
         rollback: bool | _Default = _DEFAULT,
+        host_workers: int | _Default | None = _DEFAULT,
     ) -> None:
-        given = {"conversion": conversion, "reuse_buffers": reuse_buffers, "rollback": rollback}
+        given = {
+            "conversion": conversion,
+            "reuse_buffers": reuse_buffers,
+            "rollback": rollback,
+            "host_workers": host_workers,
+        }
         options = {name: value for name, value in given.items() if value is not _DEFAULT}
         if isinstance(device, Placement):
             if options:

@@ -16,6 +16,7 @@ Uses only APIs that torch 2.11 (the GPU machine's version) and 2.13 share.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import mmap
 import os
@@ -26,6 +27,8 @@ import weakref
 from typing import Any, Protocol
 
 import torch
+
+from . import _workers
 
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
@@ -98,11 +101,46 @@ def _unregister(address: int) -> None:
         )
 
 
-def empty_host(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """A contiguous host tensor that owns exactly its bytes, advised to use huge pages."""
+def empty_host(shape: torch.Size, dtype: torch.dtype, *, touch: bool = False) -> torch.Tensor:
+    """A contiguous host tensor that owns exactly its bytes, advised to use huge pages.
+
+    With ``touch``, every page is faulted in now (:func:`touch_pages`), on the host workers.
+    """
     out = torch.empty(shape, dtype=dtype)
     _advise_huge_pages(out.data_ptr(), out.numel() * out.element_size())
+    if touch:
+        touch_pages(out)
     return out
+
+
+#: Bytes of one task of :func:`touch_pages` at the least.
+_TOUCH_TASK_BYTES = 8 << 20
+
+
+def touch_pages(t: torch.Tensor) -> None:
+    """Faults in every page of the contiguous host tensor ``t`` (its values are left undefined).
+
+    A first write to fresh memory costs a page fault per page, the bulk of a first export on
+    one thread; faulted in here (in parallel on the host workers, :mod:`._workers`), the
+    export then writes into warm memory.
+    """
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return
+    raw = torch.empty(0, dtype=torch.uint8).set_(
+        t.untyped_storage(), t.storage_offset() * t.element_size(), (nbytes,)
+    )  # type: ignore[call-overload]
+    page = mmap.PAGESIZE
+    parts = max(1, min(_workers.count(), nbytes // _TOUCH_TASK_BYTES))
+    if parts < 2:
+        raw[::page].zero_()
+        return
+    bounds = _workers.ranges(nbytes, parts, align=page)
+    _workers.run([functools.partial(_zero_every, raw[a:b], page) for a, b in bounds])
+
+
+def _zero_every(raw: torch.Tensor, step: int) -> None:
+    raw[::step].zero_()
 
 
 def storage_idle(storage: Any, control: object, *, shared: bool = False) -> bool:

@@ -34,6 +34,7 @@ import torch
 from . import _pool
 from . import _reports as reports
 from ._convert import bf16_copy_is_vectorized
+from ._convert import copy_rows as _copy_rows
 from ._convert import to_bf16 as _to_bf16
 from ._tensors import memory_order, row_blocks
 
@@ -423,7 +424,7 @@ class Uploader:
                 if bf16:
                     _to_bf16(out, block, whole)
                 else:
-                    out.copy_(block)
+                    _copy_rows(out, block)
                 ring.copy(self._slot, flat[start : start + count], buf)
 
 

@@ -25,7 +25,7 @@ from types import ModuleType
 from typing import Any
 
 from . import _policy as policy
-from . import _wrap
+from . import _workers, _wrap
 from ._policy import Placement
 from ._te_contract import (
     REQUIRED_CLASS_ATTRS,
@@ -60,7 +60,8 @@ def placed_state_dict(
     placement = policy.resolve_placement(default)
     if placement is None or not placement.streams:
         return original(optimizer)
-    return stream_state_dict(optimizer, placement, owner)
+    with _workers.sized(placement.host_workers):  # also an optimizer's own policy's setting
+        return stream_state_dict(optimizer, placement, owner)
 
 
 def placed_load_state_dict(
@@ -77,7 +78,8 @@ def placed_load_state_dict(
         result = original(optimizer, state_dict)
         note_loaded(optimizer)
         return result
-    return stream_load_state_dict(optimizer, state_dict, owner, rollback=placement.rollback)
+    with _workers.sized(placement.host_workers):
+        return stream_load_state_dict(optimizer, state_dict, owner, rollback=placement.rollback)
 
 
 def _hooked_state_dict(cls: type, optimizer: Any, original: Callable[[], Any]) -> Any:

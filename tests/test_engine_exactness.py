@@ -20,6 +20,7 @@ from te_ckpt_placement._export import StateSource, materialize
 from .support import denormals
 from .support.helpers import exported_tensors
 from .support.standin import make_optimizer, train
+from .support.workers import small_pool
 
 pytestmark = pytest.mark.usefixtures("hooked_standin")
 
@@ -159,6 +160,13 @@ def flush_mode(request: pytest.FixtureRequest) -> Iterator[str]:
         yield request.param
 
 
+@pytest.fixture(params=[0, 3], ids=["calling_thread", "host_workers"])
+def host_workers(request: pytest.FixtureRequest) -> Iterator[int]:
+    """Conversions on the calling thread (no pool) or split over 3 host workers."""
+    with small_pool(request.param) as used:
+        yield used
+
+
 def copies(width: int) -> int:
     """Enough copies of every pattern that each conversion pass spreads over every thread
     (torch splits an elementwise op into 32 Ki-element grains), every pattern in every grain."""
@@ -179,7 +187,9 @@ def bit_mismatch(ours: torch.Tensor, expected: torch.Tensor, what: str) -> str |
 
 
 @pytest.mark.parametrize("dtype", list(DECODERS), ids=str)
-def test_every_pattern_times_every_scale_class(flush_mode: str, dtype: torch.dtype) -> None:
+def test_every_pattern_times_every_scale_class(
+    flush_mode: str, host_workers: int, dtype: torch.dtype
+) -> None:
     width = DECODERS[dtype][0]
     stored = every_pattern(dtype).repeat(copies(width))
     failures = []
@@ -197,7 +207,7 @@ def test_every_pattern_times_every_scale_class(flush_mode: str, dtype: torch.dty
     assert not failures, "\n".join(failures)
 
 
-def test_bf16_fp32_int16_states_are_copied_bits(flush_mode: str) -> None:
+def test_bf16_fp32_int16_states_are_copied_bits(flush_mode: str, host_workers: int) -> None:
     every = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).repeat(16)
     upcast = materialize(StateSource(kind="upcast", data=every.view(torch.bfloat16)))
     assert torch.equal(upcast.view(torch.int32), every.to(torch.int32).bitwise_left_shift(16))
@@ -245,7 +255,9 @@ TINY_FP16 = [0x0C800000, 0x0C7FFFFF, 0x08ABCDEF, 0x00123456, 0x00000003]
 
 
 @pytest.mark.parametrize("moments", [torch.uint8, torch.float16], ids=["fp8", "fp16"])
-def test_trained_like_states_with_tiny_scales(flush_mode: str, moments: torch.dtype) -> None:
+def test_trained_like_states_with_tiny_scales(
+    flush_mode: str, host_workers: int, moments: torch.dtype
+) -> None:
     gen = torch.Generator().manual_seed(3)
     params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in [(200_000,), (500, 90)]]
     opt = make_optimizer(params, moments=moments, master="fp32")
@@ -281,3 +293,66 @@ def test_trained_like_states_with_tiny_scales(flush_mode: str, moments: torch.dt
         for k, (a, b) in enumerate(zip(ours, expected, strict=True)):
             failure = bit_mismatch(a.reshape(-1), b, f"state {k}, scale {hex(base + k)}")
             assert failure is None, failure
+
+
+# --- the host workers: the same bits as the calling thread ------------------------------------
+
+
+def _random_bits(numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Every class of pattern (NaNs, infinities, subnormals) of ``dtype``, at random."""
+    gen = torch.Generator().manual_seed(seed)
+    width = torch.tensor([], dtype=dtype).element_size() * 8
+    raw = torch.randint(-(1 << (width - 1)), 1 << (width - 1), (numel,), generator=gen)
+    int_dtype = {8: torch.uint8, 16: torch.int16, 32: torch.int32}[width]
+    return raw.to(int_dtype) if width != 8 else (raw & 0xFF).to(torch.uint8)
+
+
+SOURCES = {
+    "bf16": lambda data: StateSource(kind="upcast", data=data.view(torch.bfloat16)),
+    "fp32": lambda data: StateSource(kind="copy", data=data.view(torch.float32)),
+    "int16": lambda data: StateSource(kind="copy", data=data),
+    "fp16": lambda data: StateSource(
+        kind="scaled", data=data.view(torch.float16), scale=denormals.scale_tensor(0x0C7FFFFF)
+    ),
+    "fp16_normal_scale": lambda data: StateSource(
+        kind="scaled", data=data.view(torch.float16), scale=torch.tensor([3.0e-3])
+    ),
+    "e4m3": lambda data: StateSource(
+        kind="fp8",
+        data=data,
+        scale=denormals.scale_tensor(0x04D55555),
+        fp8_dtype=torch.float8_e4m3fn,
+    ),
+    "e5m2": lambda data: StateSource(
+        kind="fp8", data=data, scale=torch.tensor([0.25]), fp8_dtype=torch.float8_e5m2
+    ),
+}
+_STORED = {
+    "bf16": torch.int16,
+    "fp32": torch.int32,
+    "int16": torch.int16,
+    "fp16": torch.int16,
+    "fp16_normal_scale": torch.int16,
+    "e4m3": torch.uint8,
+    "e5m2": torch.uint8,
+}
+
+
+@pytest.mark.parametrize("kind", list(SOURCES))
+@pytest.mark.parametrize("numel", [0, 1, 1001, 4097, 70_001])
+def test_host_workers_give_the_calling_threads_bits(kind: str, numel: int) -> None:
+    """Pool on and off, bit for bit, for sizes that are no multiple of a block or a task."""
+    stored = _random_bits(
+        numel,
+        {torch.int16: torch.bfloat16, torch.int32: torch.float32, torch.uint8: torch.uint8}[
+            _STORED[kind]
+        ],
+        seed=numel,
+    )
+    stored = stored.view(_STORED[kind])
+    with small_pool(0):
+        off = materialize(SOURCES[kind](stored))
+    with small_pool(3, task=500, block=129):
+        on = materialize(SOURCES[kind](stored))
+    assert on.dtype == off.dtype and on.shape == off.shape
+    assert torch.equal(on.view(torch.uint8), off.view(torch.uint8)), kind

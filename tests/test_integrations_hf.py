@@ -421,36 +421,36 @@ def test_resume_reads_optimizer_pt_into_host_memory(
 
 
 @pytest.mark.parametrize("cls", [Trainer, hf.PlacementTrainer])
-def test_resume_loads_with_the_ranks_share_of_host_threads(
+def test_resume_converts_on_the_ranks_share_of_host_workers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cls: type
 ) -> None:
-    # Every rank of the host converts its checkpoint at once: torch's default thread count on
-    # each made two ranks' OpenMP teams spin against each other (HF DDP placed resume slower
-    # than Transformers' own on 2 H200s). The placed resume caps the count at the rank's share,
-    # restored afterwards; Transformers' own resume is left as it is.
-    from te_ckpt_placement.integrations import _resume
+    # Every rank of the host converts its checkpoint at once. The placed resume's conversions
+    # run on the rank's share of host workers (one torch thread each); torch's own thread count
+    # is left as it is (it used to be capped process-wide for the resume).
+    from te_ckpt_placement import _workers
 
     make_trainer(tmp_path, CallLog(), cls=hf.PlacementTrainer).train()
     resumed = make_trainer(tmp_path, CallLog(), cls=cls)
     resumed.create_optimizer_and_scheduler(num_training_steps=6)
-    seen: list[int] = []
+    seen: list[tuple[int, int]] = []
     load = resumed.optimizer.load_state_dict
 
     def counted(state_dict: Any) -> Any:
-        seen.append(torch.get_num_threads())
+        seen.append((torch.get_num_threads(), _workers.count()))
         return load(state_dict)
 
     resumed.optimizer.load_state_dict = counted
-    monkeypatch.setattr(_resume, "available_cpus", lambda: 4)
+    monkeypatch.setattr(_workers, "available_cpus", lambda: 4)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.delenv(_workers.ENV, raising=False)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(4)
         resumed._load_optimizer_and_scheduler(str(tmp_path / "checkpoint-4"))
-        assert torch.get_num_threads() == 4  # restored
+        assert torch.get_num_threads() == 4
     finally:
         torch.set_num_threads(before)
-    assert seen == ([4] if cls is Trainer else [2])
+    assert seen == [(4, 2)]
     assert adam_steps(resumed.optimizer) == {4}
 
 

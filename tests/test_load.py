@@ -424,28 +424,37 @@ def test_bf16_rounding_under_flush_denormal_equals_te(small_chunks: None, layout
     assert_same_optimizer(target, reference)
 
 
+@pytest.mark.parametrize("workers", [0, 3], ids=["calling_thread", "host_workers"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("limit", [7, 64, 1 << 20])
-def test_chunked_bf16_conversion_equals_whole_conversion(layout: str, limit: int) -> None:
-    """Every chunk's bits equal ``src.float().bfloat16()`` of the whole tensor (TE's op)."""
+def test_chunked_bf16_conversion_equals_whole_conversion(
+    layout: str, limit: int, workers: int
+) -> None:
+    """Every chunk's bits equal ``src.float().bfloat16()`` of the whole tensor (TE's op), also
+    split by rows over host workers."""
     from te_ckpt_placement import _convert, _tensors
 
-    gen = torch.Generator().manual_seed(3)
-    for shape in [(37, 29), (300,), (5, 1, 41), (1, 333), (2, 3, 4, 25)]:
-        values = with_special_values(torch.randn(shape, generator=gen) * 1e-39, offset=len(shape))
-        src = restride(values, layout)
-        expected = src.float().bfloat16().contiguous()
-        dst = torch.empty(shape, dtype=torch.bfloat16)
-        order = _tensors.memory_order(dst)
-        assert order is not None
-        whole = _convert.bf16_copy_is_vectorized(src)
-        flat, permuted = dst.permute(order).reshape(-1), src.permute(order)
-        for start, count, index in _tensors.row_blocks(tuple(dst.permute(order).shape), limit):
-            out = torch.empty(count, dtype=torch.bfloat16)
-            block = permuted[index]
-            _convert.to_bf16(out.view(block.shape), block, whole)
-            flat[start : start + count] = out
-        assert torch.equal(bits(dst), bits(expected)), (layout, shape, limit)
+    from .support.workers import small_pool
+
+    with small_pool(workers, task=20):
+        gen = torch.Generator().manual_seed(3)
+        for shape in [(37, 29), (300,), (5, 1, 41), (1, 333), (2, 3, 4, 25)]:
+            values = with_special_values(
+                torch.randn(shape, generator=gen) * 1e-39, offset=len(shape)
+            )
+            src = restride(values, layout)
+            expected = src.float().bfloat16().contiguous()
+            dst = torch.empty(shape, dtype=torch.bfloat16)
+            order = _tensors.memory_order(dst)
+            assert order is not None
+            whole = _convert.bf16_copy_is_vectorized(src)
+            flat, permuted = dst.permute(order).reshape(-1), src.permute(order)
+            for start, count, index in _tensors.row_blocks(tuple(dst.permute(order).shape), limit):
+                out = torch.empty(count, dtype=torch.bfloat16)
+                block = permuted[index]
+                _convert.to_bf16(out.view(block.shape), block, whole)
+                flat[start : start + count] = out
+            assert torch.equal(bits(dst), bits(expected)), (layout, shape, limit)
 
 
 def test_the_two_bf16_kernels_differ_only_in_nans() -> None:

@@ -399,7 +399,8 @@ def test_reports_and_the_leaf_helpers_import_nothing_of_the_package() -> None:
     assert package_imports("_reports") == set()
     assert package_imports("_tensors") == set()
     assert package_imports("_te_cost") == {"_tensors"}
-    assert package_imports("_convert") == {"_tensors", "_reports"}
+    assert package_imports("_convert") == {"_tensors", "_reports", "_workers"}
+    assert package_imports("_workers") == {"_policy"}  # the host pool: sized, never a circle
 
 
 # --- threads --------------------------------------------------------------------------------------

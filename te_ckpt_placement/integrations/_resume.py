@@ -11,9 +11,7 @@ integrations' answers:
   ``get_optimizer_state_dict``/``set_optimizer_state_dict`` skip their fake step (zero
   gradients for every parameter plus the step's temporaries, all on the GPU);
 - an FSDP2 optimizer load whose collectives and data stay in host memory: in
-  :mod:`._fsdp2_load`;
-- :func:`shared_host_threads`: torch's host threads capped at this process's share of the CPUs
-  while every rank of the host converts its checkpoint at once.
+  :mod:`._fsdp2_load`.
 """
 
 from __future__ import annotations
@@ -48,61 +46,6 @@ def host_load(path: str | os.PathLike[str], *, mmap: bool, weights_only: bool | 
             if "mmap" not in str(exc):
                 raise
     return torch.load(path, map_location="cpu", weights_only=weights_only)
-
-
-def available_cpus() -> int:
-    """The CPUs this process may run on (its affinity mask, where the platform has one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-def local_world_size() -> int:
-    """How many ranks run on this host: ``LOCAL_WORLD_SIZE`` as torchrun and accelerate set it,
-    1 where it is not set.
-
-    Raises:
-        ValueError: ``LOCAL_WORLD_SIZE`` is set but is not a positive integer.
-    """
-    value = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
-    if not value:
-        return 1
-    try:
-        size = int(value)
-    except ValueError:
-        size = 0
-    if size < 1:
-        raise ValueError(
-            f"LOCAL_WORLD_SIZE={value!r} is not a positive integer (the number of ranks on this "
-            "host, as torchrun sets it); set it so, or unset it for one rank per host."
-        )
-    return size
-
-
-@contextlib.contextmanager
-def shared_host_threads() -> Iterator[int]:
-    """Caps torch's intra-op threads at ``available_cpus() // local_world_size()`` for the block.
-
-    A resume converts the checkpoint on the host (the streaming load's FP32-to-BF16 and scaling
-    passes), and every rank of the host does so at the same moment. torch's default thread
-    count is the whole host's, so two ranks run twice as many threads as there are CPUs, and
-    OpenMP's threads spin-wait at every parallel region's end for threads that are not running,
-    which makes the load several times slower. torchrun (``OMP_NUM_THREADS=1``), accelerate on
-    CPUs and Lightning give each local rank at most that share for the same reason. The count
-    is only lowered, never raised; the previous count is restored on exit. Yields the count
-    used inside the block. torch's count is per process: host work of other threads of this
-    process shares the cap while the block runs.
-    """
-    before = torch.get_num_threads()
-    share = max(1, available_cpus() // local_world_size())
-    if share >= before:
-        yield before
-        return
-    torch.set_num_threads(share)
-    try:
-        yield share
-    finally:
-        torch.set_num_threads(before)
 
 
 def _unwrap(optimizer: Any) -> Any:

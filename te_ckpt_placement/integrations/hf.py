@@ -37,10 +37,10 @@ Transformers' own resume):
   instead, with a ``RuntimeWarning``.
 - DeepSpeed, XLA, SageMaker model parallel and FSDP1 run Transformers' own code inside the policy.
 
-Every rank converts its checkpoint on the host at the same moment; these resumes run with torch's
-host threads capped at the rank's share of the CPUs (``available CPUs // LOCAL_WORLD_SIZE``,
-:func:`te_ckpt_placement.integrations._resume.shared_host_threads`), restored afterwards, as
-torchrun, accelerate on CPUs and Lightning size each local rank's threads.
+Every rank converts its checkpoint on the host at the same moment; the conversions run on the
+package's host workers, sized to the rank's share of the CPUs (``available CPUs //
+LOCAL_WORLD_SIZE``, see ``Placement(host_workers=...)``), each with one torch thread, so ranks
+do not oversubscribe the host and torch's own thread count is left as it is.
 
 Two forms:
 
@@ -158,8 +158,7 @@ def _resume_optimizer_and_scheduler(
         return original(checkpoint, *args, **kwargs)
     if _framework_path(trainer) or not os.path.isfile(os.path.join(checkpoint, SCHEDULER_NAME)):
         return original(checkpoint)
-    with _resume.shared_host_threads():
-        return _resume_on_host(trainer, original, checkpoint)
+    return _resume_on_host(trainer, original, checkpoint)
 
 
 def _resume_on_host(trainer: Any, original: Any, checkpoint: str) -> Any:
