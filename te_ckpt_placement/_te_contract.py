@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from . import _export as engine
 from . import _reports as reports
+from . import _tensors
 from ._policy import Placement
 from ._versions import installed
 
@@ -50,6 +50,11 @@ REQUIRED_CLASS_ATTRS = (
     "initialize_state",
 )
 _FP8_DTYPES = {"kFloat8E4M3": torch.float8_e4m3fn, "kFloat8E5M2": torch.float8_e5m2}
+
+
+# Not a helper of its own: dcp/_lazy_state.py still imports _tensors.local under this name (that
+# module belongs to the snapshot branch); the name goes when it imports _tensors.local itself.
+local_of = _tensors.local
 
 
 class ContractError(RuntimeError):
@@ -87,11 +92,6 @@ def check_contract(optimizer: object) -> None:
         raise_contract(type(optimizer).__qualname__, missing)
 
 
-def local_of(tensor: Any) -> Any:
-    """The local tensor of a DTensor, or the value itself."""
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
-
-
 def fp8_torch_dtype(fp8_dtype: object) -> torch.dtype | None:
     """The torch dtype of TE's ``DType.kFloat8*``, or None for a format not known here."""
     return _FP8_DTYPES.get(getattr(fp8_dtype, "name", str(fp8_dtype)).split(".")[-1])
@@ -120,7 +120,7 @@ def stored_dtype(optimizer: Any, param: torch.Tensor, name: str) -> torch.dtype:
 
 def raw_storage(optimizer: Any, param: torch.Tensor, name: str, value: Any) -> Any:
     """The plain tensor holding a state's stored bytes: FP8 ``_data``, else the local tensor."""
-    local = local_of(value)
+    local = _tensors.local(value)
     if optimizer.name_to_dtype_map[name] == torch.uint8:
         return getattr(local, "_data", None)
     return local
@@ -151,7 +151,7 @@ class StateFacts:
 
     def raw(self, value: Any) -> Any:
         """:func:`raw_storage` of ``value`` for this state."""
-        local = local_of(value)
+        local = _tensors.local(value)
         return getattr(local, "_data", None) if self.te_dtype == torch.uint8 else local
 
 
@@ -166,7 +166,7 @@ def state_facts(optimizer: Any, param: torch.Tensor, name: Any) -> StateFacts | 
         te_dtype=te_dtype,
         stored=torch.int16 if remainder else te_dtype,
         remainder=remainder,
-        local_shape=tuple(local_of(param).shape),
+        local_shape=tuple(_tensors.local(param).shape),
     )
 
 
@@ -285,7 +285,7 @@ def _describe(
             index, name, f"TE FusedAdam exports only {', '.join(STATE_NAMES)}; remove other keys"
         )
     dtype = facts.te_dtype
-    local = local_of(value)
+    local = _tensors.local(value)
 
     def on_device() -> torch.Tensor:
         return optimizer.get_unscaled_state(param, name)

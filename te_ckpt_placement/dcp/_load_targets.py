@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, _get_fqns,
 from torch.distributed.tensor import DTensor
 
 from .. import _te_load as te_load
+from .. import _tensors
 from .._te_contract import (
     STATE_NAMES,
     Contract,
@@ -35,7 +36,6 @@ from .._te_contract import (
     StateFacts,
     check_live,
     check_saved,
-    local_of,
 )
 from . import _load_guard as load_guard
 
@@ -89,7 +89,7 @@ class _Target:
         # fused_adam.py L268-308). Every other state is elementwise.
         self.whole = facts.scaled
         self.global_size = torch.Size(param.size())
-        local_param = local_of(param)
+        local_param = _tensors.local(param)
         self.chunk: ChunkStorageMetadata | None
         if isinstance(param, DTensor):
             # What DTensor.__create_chunk_list__ says for the export of this state (same mesh,

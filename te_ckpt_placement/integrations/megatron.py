@@ -45,7 +45,6 @@ from __future__ import annotations
 import contextvars
 import hashlib
 import inspect
-import sys
 import textwrap
 import weakref
 from collections.abc import Callable, Iterator
@@ -59,6 +58,7 @@ from .. import _te_contract as te_contract
 from .. import _te_load as te_load
 from .. import _wrap
 from .._policy import Placement, as_placement, current_placement
+from .._versions import installed
 from ._methods import PlacementLike, place_methods, unplace_methods
 
 __all__ = [
@@ -143,13 +143,7 @@ class UnsupportedMegatronError(RuntimeError):
 
 def megatron_version() -> str:
     """The installed megatron-core version, or a phrase saying why it is unknown."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("megatron-core")
-    except PackageNotFoundError:
-        module = sys.modules.get("megatron.core.package_info")
-        return str(getattr(module, "__version__", "not installed"))
+    return installed("megatron-core", module="megatron.core.package_info", default="not installed")
 
 
 def _fingerprint(func: Any) -> str:
