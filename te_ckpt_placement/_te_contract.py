@@ -216,21 +216,15 @@ class Contract:
         )
 
 
-def check_saved(facts: StateFacts, dtype: torch.dtype, *, metadata: bool = False) -> str | None:
+def check_saved(facts: StateFacts, dtype: torch.dtype) -> str | None:
     """The one rule for a checkpoint value's dtype against the state's storage; None: it loads.
 
     An int16 master remainder loads only into remainders and every other state only from a
     floating-point value (a cast would load a remainder's integers as a master, or zero one).
-    Returns the problem in the load's words: of the value (``stored as``), or with ``metadata``
-    of a DCP checkpoint's metadata (``saved as``).
+    Returns the problem in the load's words, for a value and for a DCP checkpoint's metadata
+    alike.
     """
-    verb = "saved" if metadata else "stored"
     if facts.remainder and dtype != torch.int16:
-        if metadata:
-            return (
-                f"saved as {dtype}, but this optimizer keeps int16 master remainders "
-                "(store_param_remainders=True); load with the setting it was saved with"
-            )
         return (
             f"stored as {dtype}, but this optimizer keeps int16 remainders "
             "(store_param_remainders=True); load with the setting the checkpoint was saved with"
@@ -241,7 +235,7 @@ def check_saved(facts: StateFacts, dtype: torch.dtype, *, metadata: bool = False
             if dtype == torch.int16
             else ""
         )
-        return f"{verb} as {dtype}, but this optimizer keeps floating-point states{hint}"
+        return f"stored as {dtype}, but this optimizer keeps floating-point states{hint}"
     return None
 
 

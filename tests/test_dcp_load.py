@@ -344,7 +344,8 @@ def bad_checkpoints(tmp_path: Path) -> dict[str, tuple[Callable[[], Any], str]]:
         ),
         "fp32_master_into_remainders": (
             lambda: {"checkpoint_id": str(saved(torch.bfloat16, "fp32", "master"))},
-            "saved as torch.float32, but this optimizer keeps int16 master remainders",
+            "stored as torch.float32, but this optimizer keeps int16 remainders "
+            r"\(store_param_remainders=True\); load with the setting the checkpoint was saved with",
         ),
         "missing_master": (
             lambda: {"checkpoint_id": str(saved(torch.bfloat16, "none", "no_master"))},

@@ -204,7 +204,7 @@ def _validate(targets: dict[str, _Target], metadata: Metadata) -> None:
                 f"{key}: saved with shape {tuple(md.size)}, the parameter has "
                 f"{tuple(target.global_size)}"
             )
-        problem = check_saved(target.facts, md.properties.dtype, metadata=True)
+        problem = check_saved(target.facts, md.properties.dtype)
         if problem is not None:
             problems.append(f"{key}: {problem}")
     if problems:
