@@ -67,6 +67,28 @@ def test_map_tree_always_copies_every_container_with_paths() -> None:
     assert seen == [("d", "k", 0), ("t", 0), ("t", 1, 0)]
 
 
+class Tagged(list[Any]):
+    """A list subclass with an attribute of its own."""
+
+    tag = "none"
+
+
+def test_map_tree_copy_changed_keeps_what_a_container_holds_besides_its_items() -> None:
+    factory = collections.defaultdict(list, {"k": torch.ones(1), "other": 1})
+    tagged = Tagged([torch.ones(2), 3])
+    tagged.tag = "kept"
+    original = {"d": factory, "l": tagged, "same": {"z": torch.zeros(1)}}
+    out = map_tree(original, double_ones, copy_changed=True)
+    assert out["d"] is not factory and out["d"].default_factory is list
+    assert torch.equal(out["d"]["k"], torch.full((1,), 2.0)) and out["d"]["other"] == 1
+    assert type(out["l"]) is Tagged and out["l"].tag == "kept" and out["l"][1] == 3
+    assert torch.equal(out["l"][0], torch.full((2,), 2.0))
+    assert out["same"] is original["same"]
+    assert torch.equal(factory["k"], torch.ones(1)) and torch.equal(tagged[0], torch.ones(2))
+    # Without it, a rebuilt defaultdict is type(d)(): its factory is gone.
+    assert map_tree(original, double_ones)["d"].default_factory is None
+
+
 def test_iter_tree_yields_picks_in_order_and_stops_below_them() -> None:
     marker = types.SimpleNamespace(inner={"hidden": 1})
     found = list(
