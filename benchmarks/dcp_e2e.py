@@ -327,7 +327,8 @@ def streaming_load(model: Any, opt: Any, path: str) -> dict[str, Any]:
     return {
         "peak_assembly_bytes": planner.peak_assembly_bytes,
         "fallbacks": planner.fallbacks,
-        "load_stats": dict(planner.stats),  # resolve/commit/upload-wait seconds, ring items
+        # The planner's report: resolve/commit/upload-wait seconds, ring items and bytes.
+        "load_stats": {**planner.report.details, "wait_s": planner.report.wait_seconds},
         "torch_threads": torch.get_num_threads(),
         "versions": {"torch": torch.__version__, "transformer_engine": te_version()},
     }
