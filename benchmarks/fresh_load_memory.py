@@ -267,7 +267,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.cpu_smoke:
         info = dcp_e2e.smoke_machine()
     else:
-        from benchmarks.export_memory import machine
+        from benchmarks._measure import machine
 
         info = machine()
     return {"machine": info, "records": records}
