@@ -125,15 +125,15 @@ def _ensure_root_on_path() -> None:
 
 def _measured(result: dict[str, Any]) -> Any:
     _ensure_root_on_path()
-    from benchmarks.export_memory import measured
+    from benchmarks._measure import measured
 
     return _measured_on_cpu(result) if SMOKE else measured(result)
 
 
 @contextlib.contextmanager
 def _measured_on_cpu(result: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """``export_memory.measured`` without a GPU: the GPU peak is 0 by construction."""
-    from benchmarks.export_memory import HostPeak, rss
+    """``_measure.measured`` without a GPU: the GPU peak is 0 by construction."""
+    from benchmarks._measure import HostPeak, rss
 
     gc.collect()
     host_base = rss()
@@ -327,7 +327,8 @@ def streaming_load(model: Any, opt: Any, path: str) -> dict[str, Any]:
     return {
         "peak_assembly_bytes": planner.peak_assembly_bytes,
         "fallbacks": planner.fallbacks,
-        "load_stats": dict(planner.stats),  # resolve/commit/upload-wait seconds, ring items
+        # The planner's report: resolve/commit/upload-wait seconds, ring items and bytes.
+        "load_stats": {**planner.report.details, "wait_s": planner.report.wait_seconds},
         "torch_threads": torch.get_num_threads(),
         "versions": {"torch": torch.__version__, "transformer_engine": te_version()},
     }
@@ -673,7 +674,7 @@ class RankBench:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        from benchmarks.export_memory import rss
+        from benchmarks._measure import rss
         from te_ckpt_placement.dcp import PlacedOptimizerState, SnapshotStager, StreamingWriter
 
         model, opt, threads = self.model, self.opt, self.args.writer_threads
@@ -920,7 +921,7 @@ def _worker() -> None:
         gathered: list[Any] = [None] * WORLD
         dist.gather_object(records, gathered if dist.get_rank() == 0 else None, dst=0)
         if dist.get_rank() == 0:
-            from benchmarks.export_memory import machine
+            from benchmarks._measure import machine
 
             info = smoke_machine() if SMOKE else machine()
             out = {"machine": info, "records": [r for rank in gathered for r in rank]}

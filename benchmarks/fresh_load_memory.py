@@ -22,7 +22,7 @@ planner and records, per rank (the one):
   uint8 zeros and their FP32 copy to quantize from), 1 MiB otherwise; ``read_bound_bytes`` =
   4 x M + 1 MiB (the one FP32 copy TE scales an FP16/FP8 state from);
 - the host's thread settings (``torch_threads``, ``OMP_NUM_THREADS``) and the planner's
-  ``peak_assembly_bytes`` and ``stats``.
+  ``peak_assembly_bytes`` and its report's details and wait (``load_stats``).
 
 Every load is compared bit for bit with TE's own DCP load of the same checkpoint (its GPU
 template, then its ``load_state_dict``) into another fresh optimizer before its numbers are kept.
@@ -169,7 +169,7 @@ def measure(moments_name: str, layers: int, hidden: int, root: Path) -> dict[str
         "read_peak_extra_gpu_bytes": read_peak - end,
         **bounds(moments, m),
         "peak_assembly_bytes": planner.peak_assembly_bytes,
-        "load_stats": dict(planner.stats),
+        "load_stats": {**planner.report.details, "wait_s": planner.report.wait_seconds},
         "torch_threads": torch.get_num_threads(),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
     }
@@ -267,7 +267,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.cpu_smoke:
         info = dcp_e2e.smoke_machine()
     else:
-        from benchmarks.export_memory import machine
+        from benchmarks._measure import machine
 
         info = machine()
     return {"machine": info, "records": records}

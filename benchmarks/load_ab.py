@@ -30,7 +30,8 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import export_memory as em
+from benchmarks import _measure as em
+from benchmarks.export_memory import bandwidths, cpu_bandwidths  # (not moved yet)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -345,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     if cuda and (missing := em.requirements_missing()):
         print(missing, file=sys.stderr)
         return 2
-    bw = em.bandwidths() if cuda else em.cpu_bandwidths()
+    bw = bandwidths() if cuda else cpu_bandwidths()
     sizes = [
         int(float(s) * em.G) if cuda else int(float(s) * 4 * em.MI) for s in args.sizes.split(",")
     ]

@@ -616,7 +616,7 @@ class Run:
         import torch.distributed as dist
 
         _ensure_root_on_path()
-        from benchmarks.export_memory import measured
+        from benchmarks._measure import measured
 
         result: dict[str, Any] = {}
         dist.barrier()
@@ -955,7 +955,7 @@ def _allocated() -> int:
 
 def versions() -> dict[str, Any]:
     _ensure_root_on_path()
-    from benchmarks.export_memory import machine
+    from benchmarks._measure import machine
     from te_ckpt_placement.integrations.megatron import megatron_version
 
     return {

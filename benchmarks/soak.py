@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.export_memory import MI, build, machine, requirements_missing, rss
+from benchmarks._measure import MI, build, machine, requirements_missing, rss
 
 
 def snapshot() -> dict[str, int]:

@@ -28,10 +28,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.export_memory import (
+from benchmarks._measure import (
     MI,
     MOMENTS,
-    bandwidths,
     build,
     export_fn,
     machine,
@@ -41,6 +40,7 @@ from benchmarks.export_memory import (
     timed,
     verify,
 )
+from benchmarks.export_memory import bandwidths  # (not moved yet)
 from te_ckpt_placement._ring import CHUNK_BYTES
 
 CHUNK_MIB = CHUNK_BYTES // MI

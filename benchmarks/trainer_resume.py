@@ -176,7 +176,7 @@ class Window:
             for d in self.others:
                 torch.cuda.reset_peak_memory_stats(d)
         self.result["torch_threads"] = torch.get_num_threads()
-        from benchmarks.export_memory import HostPeak, rss  # the package root is on the path
+        from benchmarks._measure import HostPeak, rss  # the package root is on the path
 
         self.host_base = rss()
         self._host = HostPeak().__enter__()
@@ -948,7 +948,7 @@ def environment(device: str) -> dict[str, Any]:
     from importlib.metadata import PackageNotFoundError, version
 
     _ensure_root_on_path()
-    from benchmarks.export_memory import driver_version
+    from benchmarks._measure import driver_version
 
     versions = {}
     for dist in ("torch", "transformers", "accelerate", "lightning", "transformer_engine"):

@@ -22,7 +22,7 @@ from ._tensors import te_layout_like
 
 
 class Scratch(Protocol):
-    """A host work buffer, grown to the largest request (the ring's, one per converting thread)."""
+    """A host work buffer, grown to the largest request (``_ring.HostScratch``, one per ring)."""
 
     def get(self, numel: int, dtype: torch.dtype) -> torch.Tensor: ...
 

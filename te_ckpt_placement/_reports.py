@@ -8,9 +8,10 @@ record's ``report`` attribute is the object itself). A failed operation leaves a
 marked ``failed``, with the counts of the work done before the failure.
 
 The counts are kept by the code that does the work, once per state (or per write), never per
-chunk, and nothing is synchronized to take them. Not reported: ``te_load.load_state`` on its own
-(the DCP load planner's per-state write, which counts towards an operation only when one is
-running), the DCP streaming save (``LazyState``) and the Megatron integration's per-state exports.
+chunk, and nothing is synchronized to take them. The DCP load planner's ``dcp.load`` leaves one
+(path ``"planner"``), and so does each checkpoint method of a placed Megatron optimizer (path
+``"megatron"``). Not reported: ``te_load.load_state`` on its own (a per-state write, which counts
+towards an operation only when one is running) and the DCP streaming save (``LazyState``).
 """
 
 from __future__ import annotations
@@ -241,6 +242,13 @@ class _Recorder:
         with self.lock:
             self.wait_s += seconds
 
+    def holding(self, nbytes: int) -> None:
+        """``nbytes`` more host memory held from now on (negative: freed), such as a buffer that
+        lives for part of the operation."""
+        with self.lock:
+            self.held += nbytes
+            self.host_peak()
+
     def detail(self, key: str, value: float, *, peak: bool = False) -> None:
         """Adds ``value`` to the path-specific count ``key`` (with ``peak``: keeps the larger)."""
         with self.lock:
@@ -312,10 +320,24 @@ def operation(op: Op, *, path: Path = "state_dict") -> Iterator[None]:
     _finish(recorder, None)
 
 
-def _finish(recorder: _Recorder, exc: BaseException | None) -> None:
+def _finish(recorder: _Recorder, exc: BaseException | None) -> TransferReport:
     report = recorder.report(exc)
     _last.report = report
     logger.info("%s", report, extra={"report": report})
+    return report
+
+
+def start(op: Op, *, path: Path) -> _Recorder:
+    """The counts of an operation that spans several calls, not one block (the DCP load
+    planner's ``dcp.load``): count into it directly or through :func:`attach`, and end it with
+    :func:`finish`."""
+    return _Recorder(op, path)
+
+
+def finish(recorder: _Recorder, exc: BaseException | None = None) -> TransferReport:
+    """Ends an operation made by :func:`start`: its report becomes the calling thread's
+    :func:`last_report`, is logged, and is returned (``exc``: it failed with that)."""
+    return _finish(recorder, exc)
 
 
 @contextmanager

@@ -25,7 +25,6 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
 
@@ -33,7 +32,7 @@ import torch
 
 from . import _pool
 from . import _reports as reports
-from ._convert import bf16_copy_is_vectorized
+from ._convert import Convert, bf16_copy_is_vectorized
 from ._convert import copy_rows as _copy_rows
 from ._convert import to_bf16 as _to_bf16
 from ._tensors import memory_order, row_blocks
@@ -47,8 +46,9 @@ RING = 3
 ALIGN = 512
 
 
-class Scratch:
-    """A host work buffer of a ring, grown to the largest request and reused after that."""
+class HostScratch:
+    """A ring's host work buffer (:class:`._convert.Scratch`), grown to the largest request and
+    reused after that."""
 
     def __init__(self) -> None:
         self._buffer: torch.Tensor | None = None
@@ -63,9 +63,6 @@ class Scratch:
     @property
     def nbytes(self) -> int:
         return 0 if self._buffer is None else self._buffer.numel()
-
-
-Convert = Callable[[torch.Tensor, torch.Tensor, Scratch], None]
 
 
 class HostEvent:
@@ -99,7 +96,7 @@ class Ring:
             torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=cuda) for _ in range(slots)
         ]
         self.events: list[Any] = [torch.cuda.Event() if cuda else HostEvent() for _ in range(slots)]
-        self.scratch = Scratch()
+        self.scratch = HostScratch()
         self.wait_s = 0.0
         # The lease this ring is lent to (a weak reference), or None while it is free.
         self.lessee: weakref.ref[_Lease] | None = None

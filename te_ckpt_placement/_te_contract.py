@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from . import _export as engine
 from . import _reports as reports
+from . import _tensors
 from ._policy import Placement
 from ._versions import installed
 
@@ -87,11 +87,6 @@ def check_contract(optimizer: object) -> None:
         raise_contract(type(optimizer).__qualname__, missing)
 
 
-def local_of(tensor: Any) -> Any:
-    """The local tensor of a DTensor, or the value itself."""
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
-
-
 def fp8_torch_dtype(fp8_dtype: object) -> torch.dtype | None:
     """The torch dtype of TE's ``DType.kFloat8*``, or None for a format not known here."""
     return _FP8_DTYPES.get(getattr(fp8_dtype, "name", str(fp8_dtype)).split(".")[-1])
@@ -120,7 +115,7 @@ def stored_dtype(optimizer: Any, param: torch.Tensor, name: str) -> torch.dtype:
 
 def raw_storage(optimizer: Any, param: torch.Tensor, name: str, value: Any) -> Any:
     """The plain tensor holding a state's stored bytes: FP8 ``_data``, else the local tensor."""
-    local = local_of(value)
+    local = _tensors.local(value)
     if optimizer.name_to_dtype_map[name] == torch.uint8:
         return getattr(local, "_data", None)
     return local
@@ -151,7 +146,7 @@ class StateFacts:
 
     def raw(self, value: Any) -> Any:
         """:func:`raw_storage` of ``value`` for this state."""
-        local = local_of(value)
+        local = _tensors.local(value)
         return getattr(local, "_data", None) if self.te_dtype == torch.uint8 else local
 
 
@@ -166,7 +161,7 @@ def state_facts(optimizer: Any, param: torch.Tensor, name: Any) -> StateFacts | 
         te_dtype=te_dtype,
         stored=torch.int16 if remainder else te_dtype,
         remainder=remainder,
-        local_shape=tuple(local_of(param).shape),
+        local_shape=tuple(_tensors.local(param).shape),
     )
 
 
@@ -216,21 +211,15 @@ class Contract:
         )
 
 
-def check_saved(facts: StateFacts, dtype: torch.dtype, *, metadata: bool = False) -> str | None:
+def check_saved(facts: StateFacts, dtype: torch.dtype) -> str | None:
     """The one rule for a checkpoint value's dtype against the state's storage; None: it loads.
 
     An int16 master remainder loads only into remainders and every other state only from a
     floating-point value (a cast would load a remainder's integers as a master, or zero one).
-    Returns the problem in the load's words: of the value (``stored as``), or with ``metadata``
-    of a DCP checkpoint's metadata (``saved as``).
+    Returns the problem in the load's words, for a value and for a DCP checkpoint's metadata
+    alike.
     """
-    verb = "saved" if metadata else "stored"
     if facts.remainder and dtype != torch.int16:
-        if metadata:
-            return (
-                f"saved as {dtype}, but this optimizer keeps int16 master remainders "
-                "(store_param_remainders=True); load with the setting it was saved with"
-            )
         return (
             f"stored as {dtype}, but this optimizer keeps int16 remainders "
             "(store_param_remainders=True); load with the setting the checkpoint was saved with"
@@ -241,7 +230,7 @@ def check_saved(facts: StateFacts, dtype: torch.dtype, *, metadata: bool = False
             if dtype == torch.int16
             else ""
         )
-        return f"{verb} as {dtype}, but this optimizer keeps floating-point states{hint}"
+        return f"stored as {dtype}, but this optimizer keeps floating-point states{hint}"
     return None
 
 
@@ -285,7 +274,7 @@ def _describe(
             index, name, f"TE FusedAdam exports only {', '.join(STATE_NAMES)}; remove other keys"
         )
     dtype = facts.te_dtype
-    local = local_of(value)
+    local = _tensors.local(value)
 
     def on_device() -> torch.Tensor:
         return optimizer.get_unscaled_state(param, name)

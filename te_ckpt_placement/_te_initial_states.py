@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from ._te_contract import Contract, StateFacts, local_of
+from . import _tensors
+from ._te_contract import Contract, StateFacts
 from ._te_load_write import _plain
 
 # How many loads each optimizer has completed (streaming or TE's own, through the hooks), so that
@@ -150,7 +151,7 @@ def _initialize_param(
     """
     assert master is not None  # TE keeps a master_param entry always (L203-207)
     remainder = master.remainder
-    local = local_of(param)
+    local = _tensors.local(param)
     if masters and not remainder and not _plain(local):
         optimizer.initialize_state(param, remainder)
         return
@@ -166,4 +167,4 @@ def _initialize_param(
         value = source.clone() if source.dtype == torch.float32 else source.float()
         optimizer.set_scaled_state(param, "master_param", value)
     else:
-        local_of(optimizer.state[param]["master_param"]).copy_(local.detach())
+        _tensors.local(optimizer.state[param]["master_param"]).copy_(local.detach())

@@ -15,7 +15,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from . import _export as engine
-from ._te_contract import STATE_NAMES, Contract, StateFacts, check_saved, local_of, state_facts
+from . import _tensors
+from ._te_contract import STATE_NAMES, Contract, StateFacts, check_saved, state_facts
 
 
 def _load_error(index: object, name: str | None, problem: str) -> ValueError:
@@ -100,7 +101,7 @@ def check(
             f"sharded as {tuple(value.placements)}, the parameter as "
             f"{tuple(param.placements)}; load it through DCP, which reshards",
         )
-    local = local_of(value)
+    local = _tensors.local(value)
     if local.is_nested:
         raise _load_error(index, name, "is a nested tensor; expected a dense tensor")
     if local.layout != torch.strided:
@@ -184,7 +185,7 @@ class Job:
 
     @property
     def local(self) -> Any:
-        return local_of(self.value)
+        return _tensors.local(self.value)
 
 
 def job(contract: Contract, index: object, param: torch.Tensor, name: str, value: Any) -> Job:

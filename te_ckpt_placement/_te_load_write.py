@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from . import _convert, _ring, _te_cost, _tensors
 from . import _reports as reports
-from ._te_contract import StateFacts, check_live, local_of
+from ._te_contract import StateFacts, check_live
 from ._te_load_check import Job
 
 
@@ -60,7 +60,7 @@ def _reusable(optimizer: Any, facts: StateFacts, param: torch.Tensor, live: Any)
 
 def _written_tensors(optimizer: Any, param: torch.Tensor, name: str, live: Any) -> list[Any]:
     """Every tensor a load writes for one state: its storage, FP8 metadata, and its scale."""
-    local = local_of(live)
+    local = _tensors.local(live)
     out: list[Any] = []
     if hasattr(local, "_data"):  # FP8: bytes, scale_inv, the transpose, the quantizer's tensors
         out += [getattr(local, attr, None) for attr in ("_data", "_scale_inv", "_transpose")]
@@ -186,7 +186,7 @@ def _aliased(optimizer: Any, jobs: list[Job]) -> set[int]:
             dst, src = (other, span) if other.written else (span, other)
             job = jobs[dst.job]
             if dst.job == src.job and _raw_write(optimizer, job) and _plain(job.local):
-                live = local_of(optimizer.state[job.param][job.name])
+                live = _tensors.local(optimizer.state[job.param][job.name])
                 if _identical(live, job.local):
                     continue
             clobbered.add(dst.job)
@@ -239,13 +239,13 @@ def _write_one(
         optimizer._initialize_state(param, name, False, remainder)
         live = state[name]
     value = job.local
-    device = local_of(param).device
+    device = _tensors.local(param).device
     if not _plain(value):  # a tensor subclass: TE's own conversion, as TE's load runs it
         reports.device_temporary(_te_cost.te_state_device_bytes(value, device, kind, remainder))
         optimizer.set_scaled_state(param, name, value if remainder else value.float())
         return
     if remainder or kind in (torch.float32, torch.bfloat16):
-        dst = local_of(live)
+        dst = _tensors.local(live)
         if value.device.type == "cpu":
             uploader(dst.device).write(dst, value)
         else:

@@ -28,6 +28,7 @@ def map_tree(
     leaf: Callable[[Any, Path], Any],
     *,
     rebuild: Literal["changed", "always"] = "changed",
+    copy_changed: bool = False,
     path: Path = (),
 ) -> Any:
     """``tree`` with each value other than a dict, list or tuple replaced by ``leaf(value, path)``.
@@ -35,33 +36,44 @@ def map_tree(
     The original is never mutated. ``rebuild="changed"`` returns a container whose values all
     came back as they were (``is``) as it is, so untouched subtrees keep their identity, and
     builds the others anew: ``type(d)()`` filled for a dict (a plain ``{}`` for a ``dict``), the
-    type called on the items for a list or tuple (a namedtuple's positionally).
+    type called on the items for a list or tuple (a namedtuple's positionally); with
+    ``copy_changed`` a rebuilt dict or list is instead a ``copy.copy`` of the original with the
+    changed values set (what a subclass keeps besides its items, a defaultdict's factory, stays).
     ``rebuild="always"`` copies every container: ``copy.copy`` of a dict, then each key set; a
     new ``list`` for a list; a tuple as above. ``path`` is the keys and indices from the root.
     """
+
+    def below(value: Any, key: Any) -> Any:
+        return map_tree(value, leaf, rebuild=rebuild, copy_changed=copy_changed, path=(*path, key))
+
     if isinstance(tree, dict):
         if rebuild == "always":
             new = copy.copy(tree)
             for key, value in tree.items():
-                new[key] = map_tree(value, leaf, rebuild=rebuild, path=(*path, key))
+                new[key] = below(value, key)
             return new
-        values = {
-            key: map_tree(value, leaf, rebuild=rebuild, path=(*path, key))
-            for key, value in tree.items()
-        }
-        if all(values[key] is tree[key] for key in tree):
+        values = {key: below(value, key) for key, value in tree.items()}
+        changed = [key for key in tree if values[key] is not tree[key]]
+        if not changed:
             return tree
+        if copy_changed:
+            new = copy.copy(tree)
+            for key in changed:
+                new[key] = values[key]
+            return new
         out = type(tree)() if type(tree) is not dict else {}
         out.update(values)
         return out
     if isinstance(tree, (list, tuple)):
-        items = [
-            map_tree(value, leaf, rebuild=rebuild, path=(*path, i)) for i, value in enumerate(tree)
-        ]
+        items = [below(value, i) for i, value in enumerate(tree)]
         if rebuild == "always" and isinstance(tree, list):
             return items
         if rebuild == "changed" and all(a is b for a, b in zip(items, tree, strict=True)):
             return tree
+        if copy_changed and isinstance(tree, list):
+            new_list = copy.copy(tree)
+            new_list[:] = items
+            return new_list
         if hasattr(tree, "_fields"):  # a namedtuple takes its fields positionally
             return type(tree)(*items)
         return type(tree)(items)

@@ -12,6 +12,7 @@ for every export, and the Stateful adapter.
 
 from __future__ import annotations
 
+import collections
 import copy
 import warnings
 from collections.abc import Callable
@@ -156,6 +157,39 @@ def test_pass_through_stager_without_exports_is_the_inner_stager() -> None:
     assert [id(t) for t in inner.seen] == [id(t) for t in tensors(state_dict)]
     assert_same_export(staged, state_dict)
     assert staged["w"].data_ptr() != state_dict["w"].data_ptr()
+
+
+class DroppingStager(DefaultStager):
+    """An inner stager that loses one key of the state dict."""
+
+    def stage(self, state_dict: Any, **kwargs: Any) -> Any:
+        staged = super().stage(state_dict, **kwargs)
+        del staged["optim"]["state"][1]
+        return staged
+
+
+def test_pass_through_stager_refuses_an_inner_stager_that_changes_the_structure() -> None:
+    _, export = exported_optimizer()
+    stager = PassThroughStager(inner=DroppingStager(ASYNC_SAVE_DEFAULTS))
+    with pytest.raises(
+        RuntimeError, match=r"changed the state dict's structure at 'optim\.state\.1'"
+    ):
+        stager.stage({"optim": export})
+
+
+def test_pass_through_stager_copies_containers_on_export_paths_as_they_are() -> None:
+    """A dict subclass on the path to an export is copied with what it holds besides its items
+    (a defaultdict's factory), and the caller's is left as it was."""
+    _, export = exported_optimizer()
+    states = collections.defaultdict(dict, export["state"])
+    state_dict = {"optim": {**export, "state": states}, "meta": {"epoch": 3}}
+    staged = resolve(PassThroughStager().stage(state_dict))
+    assert isinstance(staged["optim"]["state"], collections.defaultdict)
+    assert staged["optim"]["state"].default_factory is dict
+    assert staged["optim"]["state"] is not states and states[0] is export["state"][0]
+    assert staged["optim"]["state"][0]["exp_avg"] is export["state"][0]["exp_avg"]
+    assert all(value is not None for value in states[0].values())
+    assert staged["meta"] == {"epoch": 3}
 
 
 class FailingStager(DefaultStager):

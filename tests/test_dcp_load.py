@@ -89,6 +89,37 @@ def trained(moments: torch.dtype, master: str, seed: int = 1) -> Run:
     return run
 
 
+def assert_planner_report(
+    planner: StreamingLoadPlanner, *, last: bool = True
+) -> reports.TransferReport:
+    """The report of a completed planner load: every state, and every byte it moved (``last``:
+    it is the thread's last report, no load ran after it)."""
+    report = planner.report
+    assert report is not None and (report is reports.last_report() or not last)
+    assert (report.op, report.path, report.failed, report.error) == ("load", "planner", False, None)
+    targets = [t for load in planner._loads for t in load.targets]
+    assert report.states == len(targets) > 0
+    # Each state's bytes once: as stored for those read in place, 4 B per element for the FP32
+    # copies of FP16/FP8 states that TE scales on the device (as load_state_dict's report).
+    assert report.host_to_device_bytes == sum(
+        t.numel * (4 if t.whole else t.facts.stored.itemsize) for t in targets
+    )
+    assert set(report.details) == {
+        "resolve_s",
+        "commit_s",
+        "ring_items",
+        "ring_bytes",
+        "direct_items",
+        "ring_host_bytes",
+        "peak_assembly_bytes",
+    }
+    assert report.details["peak_assembly_bytes"] == planner.peak_assembly_bytes
+    assert report.peak_host_bytes >= planner.peak_assembly_bytes
+    assert report.details["resolve_s"] > 0 and report.details["commit_s"] > 0
+    assert report.device_to_host_bytes == 0 and report.host_bytes_written == 0
+    return report
+
+
 @pytest.mark.usefixtures("quiet")
 @pytest.mark.parametrize("master", MASTERS)
 @pytest.mark.parametrize("moments", MOMENTS, ids=str)
@@ -112,6 +143,7 @@ def test_streaming_load_equals_template_path_and_te_load(
     largest, _ = whole_state_elements(ours)
     assert planner.peak_assembly_bytes == 4 * largest
     assert planner.peak_assembly_bytes <= 4 * ours.largest_state()
+    assert_planner_report(planner)
     # Training goes on as it would have without the checkpoint (or after TE's load).
     reference = run if exact else te
     for r in {id(r): r for r in (ours, reference)}.values():
@@ -166,15 +198,14 @@ def test_a_fresh_optimizer_load_holds_one_copy_of_one_state_at_a_time(
     save(run, tmp_path)
     ours, ref = plain_run(moments, "fp32", seed=7), plain_run(moments, "fp32", seed=7)
     assert not ours.opt.state
-    with reports.operation("load"):
-        planner = load_streaming(ours, tmp_path)
-    report = reports.last_report()
+    planner = load_streaming(ours, tmp_path)
+    report = assert_planner_report(planner)
     load_template_path(ref, tmp_path)
     assert_same_run(ours, ref, "fresh optimizer: streaming vs template path")
     largest, _ = whole_state_elements(ours)
     assert planner.peak_assembly_bytes == 4 * largest
-    assert report is not None and report.gpu_bytes == 4 * largest, report
-    assert report.states == 2 * len(ours.params())  # the moments; FP32 masters went in place
+    assert report.gpu_bytes == 4 * largest, report
+    assert report.states == 3 * len(ours.params())  # the moments and the FP32 masters
 
 
 def double_rounding_values(shape: torch.Size, gen: torch.Generator) -> torch.Tensor:
@@ -344,7 +375,8 @@ def bad_checkpoints(tmp_path: Path) -> dict[str, tuple[Callable[[], Any], str]]:
         ),
         "fp32_master_into_remainders": (
             lambda: {"checkpoint_id": str(saved(torch.bfloat16, "fp32", "master"))},
-            "saved as torch.float32, but this optimizer keeps int16 master remainders",
+            "stored as torch.float32, but this optimizer keeps int16 remainders "
+            r"\(store_param_remainders=True\); load with the setting the checkpoint was saved with",
         ),
         "missing_master": (
             lambda: {"checkpoint_id": str(saved(torch.bfloat16, "none", "no_master"))},
@@ -381,6 +413,15 @@ def test_bad_checkpoints_are_rejected_before_any_write(tmp_path: Path, case: str
     assert hyperparams(run.opt) == before_groups
     assert all(torch.equal(bits(p), w) for p, w in zip(run.params(), weights, strict=True))
     assert "0 of" in planner.progress and "0 partly written" in planner.progress
+    report = planner.report  # a refused load leaves a failed report, with nothing written
+    assert report is not None and report is reports.last_report()
+    assert (report.path, report.failed, report.error, report.states) == (
+        "planner",
+        True,
+        "ValueError",
+        0,
+    )
+    assert report.host_to_device_bytes == 0
 
 
 @pytest.mark.usefixtures("quiet")
@@ -831,9 +872,10 @@ def test_the_ring_path_loads_what_the_template_path_loads(
     load_template_path(ref, tmp_path)
     assert_same_run(ours, ref, "ring path vs template path")
     assert_same_run(ours, run, "ring path vs saved")
-    stats = planner.stats
-    assert stats["ring_items"] > 0 and stats["direct_items"] > 0
-    assert 0 < stats["ring_host_bytes"] <= cap
+    details = assert_planner_report(planner, last=False).details
+    assert details["ring_items"] > 0 and details["direct_items"] > 0
+    assert 0 < details["ring_host_bytes"] <= cap
+    assert 0 < details["ring_bytes"] < planner.report.host_to_device_bytes  # type: ignore[union-attr]
     assert [ring.nbytes for ring in ring_on_cpu] == [0]  # closed at the load's end
     assert planner._rings == {} and planner._pending == {}
 
@@ -863,6 +905,11 @@ def test_a_failed_upload_waits_for_the_others_and_lets_the_ring_go(
     assert ring.nbytes == 0 and not any(ring.queued) and not any(ring.lent)
     assert planner._rings == {} and planner._pending == {}
     assert "3 of" in planner.progress
+    report = planner.report  # the failure's report: the work done before it
+    assert report is not None and report is reports.last_report()
+    assert (report.path, report.failed, report.error) == ("planner", True, "RuntimeError")
+    assert report.states == 3 and report.details["ring_items"] >= 4
+    assert 0 < report.details["ring_host_bytes"] <= report.peak_host_bytes
 
 
 @pytest.mark.usefixtures("quiet")

@@ -81,8 +81,8 @@ def _bounds_worker(rank: int, port: int, root: str, results: str | None) -> None
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+    from benchmarks._measure import HostPeak, rss
     from benchmarks.dcp_e2e import build, fingerprint, local, train_step
-    from benchmarks.export_memory import HostPeak, rss
     from te_ckpt_placement.dcp import PlacedOptimizerState, StreamingLoadPlanner
     from te_ckpt_placement.dcp import _load_planner as load_planner
 
@@ -134,7 +134,7 @@ def _bounds_worker(rank: int, port: int, root: str, results: str | None) -> None
         assert ours["peak_extra_host_bytes"] <= 2**30 + 4 * m_local, where
         assert planner.peak_assembly_bytes == 0, where  # BF16/int16: straight into the live states
         # The elementwise items went through the pinned upload ring, within its bound.
-        stats = planner.stats
+        stats = planner.report.details
         assert stats["ring_items"] > 0 and stats["ring_bytes"] > 0, f"{where} {stats}"
         assert 0 < stats["ring_host_bytes"] <= load_planner.UPLOAD_RING_BYTES, f"{where} {stats}"
         assert planner._rings == {}, where  # closed (synchronized) at the load's end
@@ -164,7 +164,7 @@ def test_streaming_load_bounds_on_two_gpus(tmp_path: Path, monkeypatch: pytest.M
     results = os.environ.get("TE_CKPT_LOAD_RESULTS")
     spawn(_bounds_worker, str(tmp_path), results)
     if results:
-        from benchmarks.export_memory import machine
+        from benchmarks._measure import machine
 
         records: list[dict[str, Any]] = []
         for rank in range(WORLD):
@@ -183,7 +183,7 @@ def test_fresh_optimizer_streaming_load_bounds_on_one_gpu(tmp_path: Path) -> Non
         records = [bench.measure(m, FRESH_LAYERS, FRESH_HIDDEN, tmp_path) for m in ("fp8", "fp16")]
     results = os.environ.get("TE_CKPT_FRESH_LOAD_RESULTS")
     if results:
-        from benchmarks.export_memory import machine
+        from benchmarks._measure import machine
 
         Path(results).write_text(json.dumps({"machine": machine(), "records": records}, indent=1))
     for record in records:

@@ -136,7 +136,7 @@ def test_fsdp2_export_is_cpu_local_dtensor_bit_exact_zero_gpu(tmp_path: Path) ->
         records: list[dict[str, Any]] = []
         for rank in range(WORLD):
             records += json.loads(Path(f"{results}.rank{rank}").read_text())
-        from benchmarks.export_memory import machine
+        from benchmarks._measure import machine
 
         out = {"machine": machine(), "records": records}
         Path(results).write_text(json.dumps(out, indent=1) + "\n")

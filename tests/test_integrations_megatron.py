@@ -31,7 +31,7 @@ import pytest
 import torch
 
 import te_ckpt_placement
-from te_ckpt_placement import ContractError, Placement, export_placement
+from te_ckpt_placement import ContractError, Placement, export_placement, last_report
 from te_ckpt_placement import _export as engine
 from te_ckpt_placement.integrations import megatron
 from te_ckpt_placement.integrations._methods import placed_methods
@@ -320,15 +320,32 @@ def test_parameter_states_come_to_the_host_with_get_unscaled_states_bits(
 ) -> None:
     built = ms.build(api, moments=moments, master=master)
     unscale_calls.clear()  # (the training steps')
+    before = last_report()
     default = built.optimizer.get_parameter_state_dp_reshardable()  # Megatron + TE, on "device"
     assert len(unscale_calls) == 3 * len(built.params), "Megatron reads each through TE"
+    assert last_report() is before, "unplaced, nothing streams and nothing is reported"
     megatron.place_optimizer(built.optimizer)
     unscale_calls.clear()
     placed = built.optimizer.get_parameter_state_dp_reshardable()
     assert unscale_calls == [], "placed, no state goes through TE's device conversion"
+    report = last_report()
     assert_same(placed, default)
     n = assert_fresh_host(host_tensors(placed), built)
     assert n == 3 * len(built.params)
+    # One report for the call, counting every state as a streamed state_dict() of TE counts it.
+    with export_placement("cpu"):
+        built.inner.state_dict()
+    te = last_report()
+    assert report is not None and te is not None and report is not te
+    assert (report.op, report.path, report.failed) == ("export", "megatron", False)
+    assert report.states == n == te.states
+    assert report.device_to_host_bytes == te.device_to_host_bytes > 0
+    assert (
+        report.host_bytes_written
+        == te.host_bytes_written
+        == sum(t.numel() * t.element_size() for t in host_tensors(placed))
+    )
+    assert report.te_gpu_bytes == te.te_gpu_bytes
     for model_param in built.params:
         tensors = built.optimizer._get_main_param_and_optimizer_states(model_param)
         assert list(tensors) == ["exp_avg", "exp_avg_sq", "param"]
@@ -379,6 +396,12 @@ def test_state_dict_exports_nothing(
     materialized.clear()
     placed = built.optimizer.state_dict()
     assert unscale_calls == [] and materialized == []
+    report = last_report()  # a report of the call, with no state exported
+    assert report is not None and (report.path, report.op, report.states) == (
+        "megatron",
+        "export",
+        0,
+    )
     assert_same(placed, default)
     assert "state" not in placed["optimizer"] and placed["optimizer"]["param_groups"]
     # The diversion is scoped to that call: TE's own state_dict still exports, and streams.
@@ -432,6 +455,14 @@ def test_resume_equals_megatrons_and_the_saved_run(
     dummies.clear()
     placed = _resume(api, built, saved, DP_RESHARDABLE, place=True, **kwargs)
     assert dummies == [], "placed, a fresh optimizer starts from TE's initial states"
+    report = last_report()  # the load_state_dict, with its round trip through TE (L965, L1046)
+    assert report is not None and (report.op, report.path, report.failed) == (
+        "load",
+        "megatron",
+        False,
+    )
+    # Each state exported by TE's state_dict once, and written by its load_state_dict once.
+    assert report.states == 2 * 3 * len(placed.params) and report.host_to_device_bytes > 0
     assert_fresh_host(iter(placed.extras["templates"]), placed)
     assert_same_raw(placed.inner, default.inner)
     assert_same(placed.optimizer.state_dict(), default.optimizer.state_dict())

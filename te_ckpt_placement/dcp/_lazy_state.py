@@ -39,7 +39,8 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from .. import _export as engine
 from .. import _tensors
 from .._policy import Placement, as_placement, export_placement
-from .._te_contract import Contract, has_contract, local_of
+from .._te_contract import Contract, has_contract
+from .._tensors import local
 from .._tree import iter_tree, map_tree
 
 StateDict = dict[str, Any]
@@ -398,7 +399,7 @@ def _placeholder(
     specs: dict[torch.dtype, DTensorSpec],
 ) -> torch.Tensor:
     dtype = _output_dtype(source)
-    local_param = local_of(param)
+    local_param = local(param)
     shape = source.data.shape if source.data is not None else local_param.shape
     device = source.data.device if source.data is not None else local_param.device
     spec = specs.get(dtype)

@@ -52,8 +52,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import _init_state_dict
-from torch.distributed.checkpoint.state_dict import _unflatten_optim_state_dict
 
+from .. import _reports as reports
 from .. import _ring
 from .. import _te_load as te_load
 from .._convert import Slot as _Slot
@@ -62,6 +62,7 @@ from . import _load_targets
 from ._assembly import Assembly
 from ._handshake import StreamingLoadWarning, StreamingTemplate, merge_part
 from ._load_targets import (
+    _MIXED,
     _build_load,
     _CannotStreamError,
     _check_streamable,
@@ -70,13 +71,6 @@ from ._load_targets import (
 )
 from ._state import PlacedOptimizerState
 
-#: What a load that stopped part-way leaves, and what to do (load_guard refuses step()).
-_MIXED = (
-    "The optimizer mixes checkpoint and previous values, and its step() refuses to run until a "
-    "complete load: load the checkpoint again (a complete load writes every state)"
-)
-
-
 #: Pinned host bytes of the upload ring of one device, all slots together; items larger than a
 #: slot are copied straight into the live state.
 UPLOAD_RING_BYTES = 256 << 20
@@ -84,6 +78,10 @@ UPLOAD_RING_BYTES = 256 << 20
 UPLOAD_SLOTS = 2
 #: Device types whose live states are loaded through the upload ring (a seam for CPU tests).
 RING_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
+#: The report's details (docs/api.md): seconds inside resolve_tensor and commit_tensor of
+#: optimizer states, items through the upload ring (and bytes uploaded from it) or copied straight
+#: into the live state, the rings' pinned host bytes, and the assembly buffers' peak.
+_DETAILS = ("resolve_s", "commit_s", "ring_items", "ring_bytes", "direct_items", "ring_host_bytes")
 
 
 def _note(exc: BaseException, message: str) -> None:
@@ -100,6 +98,10 @@ class _StreamingTemplate(StreamingTemplate):
 
     def finish(self) -> None:
         self.planner._finish(self)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def _take_back(made: list[tuple[Any, list[Any]]]) -> None:
@@ -208,23 +210,14 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         self._initial: list[tuple[Any, list[Any]]] = []
         self._rings: dict[torch.device, _ring.SlotLender] = {}
         self._pending: dict[ReadItem, tuple[_ring.SlotLender, int, torch.Tensor]] = {}
-        #: Where the load's time went, for benchmarks: seconds inside ``resolve_tensor`` and
-        #: ``commit_tensor`` of optimizer states and waiting for uploads (a slot's previous
-        #: upload, and the last ones), items read through the upload ring (``ring_items``,
-        #: ``ring_bytes`` uploaded) or copied straight into the live state (``direct_items``),
-        #: and the ring's pinned host bytes (``ring_host_bytes``, all devices).
-        self.stats: dict[str, float] = dict.fromkeys(
-            (
-                "resolve_s",
-                "commit_s",
-                "wait_s",
-                "ring_items",
-                "ring_bytes",
-                "direct_items",
-                "ring_host_bytes",
-            ),
-            0,
-        )
+        #: The load's :class:`~te_ckpt_placement.TransferReport` (path ``"planner"``), made when
+        #: the load completes or fails (also :func:`~te_ckpt_placement.last_report` in the
+        #: thread that ran ``dcp.load``); None before.
+        self.report: reports.TransferReport | None = None
+        self._recorder = reports.start("load", path="planner")
+        for key in _DETAILS:
+            self._recorder.detail(key, 0)
+        self._templates = 0  # streaming templates made, and not finished yet
         for state in states:
             stale = state.unfinished_load
             if stale is not None:
@@ -266,13 +259,15 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
                 stacklevel=3,
             )
             return None
-        except BaseException:
+        except BaseException as exc:
             # Refused before any write ("No state was written"), and dcp.load stops: the
             # initial states made for it so far, this adapter's and the others', go.
             made, self._initial = self._initial + made, []
             _take_back(made)
+            self._end(exc)
             raise
         self._initial += made
+        self._templates += 1
         template.planner, template.state, template.loads = self, state, loads
         self._loads.extend(loads)
         return template
@@ -283,10 +278,11 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         """A planning step: if it fails, the initial states this load made are taken back."""
         try:
             yield
-        except BaseException:
+        except BaseException as exc:
             # Nothing was read yet ("No state was written"): fresh optimizers are fresh again.
             made, self._initial = self._initial, []
             _take_back(made)
+            self._end(exc)
             raise
 
     def set_up_planner(
@@ -414,15 +410,16 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
                     # rounds through float, to nearest even).
                     region = self.transform_tensor(read_item, target.live)
                     slot = self._take_slot(read_item, region)
-                    self.stats["direct_items" if slot is None else "ring_items"] += 1
+                    self._recorder.detail("direct_items" if slot is None else "ring_items", 1)
                     return region if slot is None else slot
                 if target.buffer is None:
                     target.buffer = self._assembly.allocate(target)
+                    self._recorder.holding(_nbytes(target.buffer))
                 return self.transform_tensor(read_item, target.buffer)
             except BaseException as exc:
                 self._raise_failure(target, exc)
             finally:
-                self.stats["resolve_s"] += time.perf_counter() - start
+                self._recorder.detail("resolve_s", time.perf_counter() - start)
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         target = self._targets.get(read_item.dest_index.fqn)
@@ -438,19 +435,27 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
                 if pending is not None:
                     ring, slot, region = pending
                     ring.upload(slot, region, tensor)
-                    self.stats["ring_bytes"] += region.numel() * region.element_size()
+                    self._recorder.detail("ring_bytes", _nbytes(region))
                 left = target.remaining - math.prod(read_item.lengths)
-                if left == 0 and target.buffer is not None:
-                    _load_targets._write_state(
-                        target.contract, target.param, target.name, target.buffer
+                if target.live is not None:  # read into the live state: counted here
+                    self._recorder.uploaded(
+                        math.prod(read_item.lengths) * target.live.element_size(), 0
                     )
+                    if left == 0:
+                        self._recorder.state_written()
+                elif left == 0 and target.buffer is not None:
+                    with reports.attach(self._recorder):  # te_load counts the write
+                        _load_targets._write_state(
+                            target.contract, target.param, target.name, target.buffer
+                        )
                     self._assembly.release(target)
+                    self._recorder.holding(-_nbytes(target.buffer))
                     target.buffer = None
                 target.remaining = left  # a failed write above leaves the state "partly written"
             except BaseException as exc:
                 self._raise_failure(target, exc)
             finally:
-                self.stats["commit_s"] += time.perf_counter() - start
+                self._recorder.detail("commit_s", time.perf_counter() - start)
 
     def _take_slot(self, read_item: ReadItem, region: torch.Tensor) -> torch.Tensor | None:
         """A ring slot the reader fills in place of the live ``region``; None: fill it directly."""
@@ -463,7 +468,8 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
             ring = self._rings[device] = _ring.SlotLender(
                 device, slot_bytes=self._slot_bytes, slots=UPLOAD_SLOTS, view_as=_Slot
             )
-            self.stats["ring_host_bytes"] += ring.nbytes
+            self._recorder.detail("ring_host_bytes", ring.nbytes)
+            self._recorder.staging(device, ring.nbytes)
         slot = ring.take()
         if slot is None:
             return None  # a reader that resolves several items before it commits them
@@ -483,7 +489,7 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
                 try:
                     ring.close()
                 finally:
-                    self.stats["wait_s"] += ring.wait_s
+                    self._recorder.waited(ring.wait_s)
         finally:
             rings.clear()
 
@@ -521,13 +527,16 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
             raise RuntimeError(f"the load already failed at {self._failed}")
 
     def _failure(self, target: _Target, exc: BaseException) -> RuntimeError:
-        if self._failed is None:
+        first = self._failed is None
+        if first:
             self._failed = str(target.dcp_key)
         also = ""
         try:
             self._close_rings()  # no upload outlives the failed load
         except Exception as close_exc:  # the failure at hand is the one to report
             also = f"; waiting for the queued uploads failed too ({close_exc!r})"
+        if first:
+            self._end(exc)
         return RuntimeError(
             f"loading the optimizer checkpoint failed part-way, at {target.dcp_key} "
             f"({type(exc).__name__}: {exc}{also}). {self.progress}; the param_groups are the "
@@ -548,8 +557,24 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
 
         The states stay attached throughout (torch's part of the load detaches them, and they
         are put back in a ``finally``); torch's load post-hooks run last, with the states in
-        place, as TE's load leaves them.
+        place, as TE's load leaves them. The last template's finish ends the load's report.
         """
+        try:
+            self._finish_template(template)
+        except BaseException as exc:
+            self._end(exc)
+            raise
+        self._templates -= 1
+        if self._templates == 0:
+            self._end(None)
+
+    def _end(self, exc: BaseException | None) -> None:
+        """Makes the load's report, once: when it completed, or at its first failure."""
+        if self.report is None:
+            self._recorder.detail("peak_assembly_bytes", self._assembly.peak_bytes, peak=True)
+            self.report = reports.finish(self._recorder, exc)
+
+    def _finish_template(self, template: _StreamingTemplate) -> None:
         self._close_rings()  # every upload has landed
         incomplete = [t.dcp_key for ld in template.loads for t in ld.targets if t.remaining != 0]
         if incomplete:
@@ -558,40 +583,10 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
                 f"states were read ({incomplete[:3]}). {self.progress}; the param_groups are the "
                 f"previous ones. {_MIXED}"
             )
-        loaded = [(load.optimizer, self._load_groups(template, load)) for load in template.loads]
+        loaded = [
+            (load.optimizer, _load_targets.load_groups(template, load)) for load in template.loads
+        ]
         template.state._load_finished()  # a complete load wrote every state
         for optimizer, post_hooks in loaded:
             for hook in post_hooks.values():
                 hook(optimizer)
-
-    def _load_groups(self, template: _StreamingTemplate, load: _OptimizerLoad) -> Any:
-        """One optimizer's ``param_groups``, its states kept; returns its deferred post-hooks."""
-        optimizer = load.optimizer
-        osd = _unflatten_optim_state_dict(optimizer, template, load.info)
-        # TE's load gives every parameter of the checkpoint's "state" its states (fused_adam.py
-        # L540): the live ones, which now hold the checkpoint's values.
-        attached = {}
-        for fqn in osd["state"]:
-            param = load.info.fqn_param_mapping[fqn]
-            states = load.live_states.get(id(param))
-            attached[param] = states if states is not None else {}
-        before = optimizer.state
-        try:
-            with te_load.post_hooks_deferred(optimizer) as post_hooks:
-                # The method TE's load_state_dict calls as super() (L519): the groups, pre-hooks
-                # and torch's own checks; no states, so nothing is cast.
-                torch.optim.Optimizer.load_state_dict(
-                    optimizer, {"state": {}, "param_groups": osd["param_groups"]}
-                )
-        except Exception as exc:
-            raise RuntimeError(
-                f"StreamingLoadPlanner: every optimizer state was read, then loading the "
-                f"param_groups failed ({type(exc).__name__}: {exc}): they are the previous ones. "
-                f"{_MIXED}"
-            ) from exc
-        finally:
-            if optimizer.state is not before:  # torch's part replaced the states: put them back
-                optimizer.state.update(attached)  # one call: an interrupt cannot split it
-        load_guard.lift(optimizer)
-        te_load.note_loaded(optimizer)
-        return post_hooks

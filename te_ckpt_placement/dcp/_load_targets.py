@@ -3,8 +3,9 @@
 :func:`_build_load` makes the flattened template of one optimizer for
 :class:`~te_ckpt_placement.dcp.StreamingLoadPlanner` (``_get_optim_state_dict`` + flatten,
 unexported), after :func:`_check_streamable` said the planner can serve it; :func:`_validate`
-checks the entries against the checkpoint's metadata before any read, and :func:`_write_state`
-is the planner's one per-state write. The planner, which serves the reads, lives in
+checks the entries against the checkpoint's metadata before any read, :func:`_write_state`
+is the planner's one per-state write, and :func:`load_groups` loads an optimizer's
+``param_groups`` once every state is read. The planner, which serves the reads, lives in
 :mod:`.load_planner`; this module does not import it.
 """
 
@@ -24,10 +25,16 @@ from torch.distributed.checkpoint.planner_helpers import (
     _create_chunk_from_dtensor,
     _create_chunk_from_tensor,
 )
-from torch.distributed.checkpoint.state_dict import StateDictOptions, _get_fqns, _verify_options
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    _get_fqns,
+    _unflatten_optim_state_dict,
+    _verify_options,
+)
 from torch.distributed.tensor import DTensor
 
 from .. import _te_load as te_load
+from .. import _tensors
 from .._te_contract import (
     STATE_NAMES,
     Contract,
@@ -35,13 +42,19 @@ from .._te_contract import (
     StateFacts,
     check_live,
     check_saved,
-    local_of,
 )
 from . import _load_guard as load_guard
 
 if TYPE_CHECKING:
     from ._load_planner import StreamingLoadPlanner
     from ._state import PlacedOptimizerState
+
+
+#: What a load that stopped part-way leaves, and what to do (load_guard refuses step()).
+_MIXED = (
+    "The optimizer mixes checkpoint and previous values, and its step() refuses to run until a "
+    "complete load: load the checkpoint again (a complete load writes every state)"
+)
 
 
 class _CannotStreamError(Exception):
@@ -89,7 +102,7 @@ class _Target:
         # fused_adam.py L268-308). Every other state is elementwise.
         self.whole = facts.scaled
         self.global_size = torch.Size(param.size())
-        local_param = local_of(param)
+        local_param = _tensors.local(param)
         self.chunk: ChunkStorageMetadata | None
         if isinstance(param, DTensor):
             # What DTensor.__create_chunk_list__ says for the export of this state (same mesh,
@@ -204,7 +217,7 @@ def _validate(targets: dict[str, _Target], metadata: Metadata) -> None:
                 f"{key}: saved with shape {tuple(md.size)}, the parameter has "
                 f"{tuple(target.global_size)}"
             )
-        problem = check_saved(target.facts, md.properties.dtype, metadata=True)
+        problem = check_saved(target.facts, md.properties.dtype)
         if problem is not None:
             problems.append(f"{key}: {problem}")
     if problems:
@@ -297,3 +310,36 @@ def _build_load(
                 if k != "params":
                     template[f"param_groups.{name}.{k}"] = v
     return template, _OptimizerLoad(model, optimizer, info, targets, live_states, contract)
+
+
+def load_groups(template: dict[str, Any], load: _OptimizerLoad) -> Any:
+    """One optimizer's ``param_groups``, its states kept; returns its deferred post-hooks."""
+    optimizer = load.optimizer
+    osd = _unflatten_optim_state_dict(optimizer, template, load.info)
+    # TE's load gives every parameter of the checkpoint's "state" its states (fused_adam.py
+    # L540): the live ones, which now hold the checkpoint's values.
+    attached = {}
+    for fqn in osd["state"]:
+        param = load.info.fqn_param_mapping[fqn]
+        states = load.live_states.get(id(param))
+        attached[param] = states if states is not None else {}
+    before = optimizer.state
+    try:
+        with te_load.post_hooks_deferred(optimizer) as post_hooks:
+            # The method TE's load_state_dict calls as super() (L519): the groups, pre-hooks
+            # and torch's own checks; no states, so nothing is cast.
+            torch.optim.Optimizer.load_state_dict(
+                optimizer, {"state": {}, "param_groups": osd["param_groups"]}
+            )
+    except Exception as exc:
+        raise RuntimeError(
+            f"StreamingLoadPlanner: every optimizer state was read, then loading the "
+            f"param_groups failed ({type(exc).__name__}: {exc}): they are the previous ones. "
+            f"{_MIXED}"
+        ) from exc
+    finally:
+        if optimizer.state is not before:  # torch's part replaced the states: put them back
+            optimizer.state.update(attached)  # one call: an interrupt cannot split it
+    load_guard.lift(optimizer)
+    te_load.note_loaded(optimizer)
+    return post_hooks

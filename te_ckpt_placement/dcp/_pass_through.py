@@ -5,7 +5,6 @@ Uses only APIs that torch 2.11 (the GPU machine's version) and 2.13 share.
 
 from __future__ import annotations
 
-import copy
 from concurrent.futures import Future
 from typing import Any
 
@@ -13,6 +12,7 @@ import torch
 from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 
 from .._export import is_exported
+from .._tree import map_tree
 
 StateDict = dict[str, Any]
 # What an AsyncStager.stage returns: the staged dict, or a Future of it (asynchronous staging).
@@ -23,72 +23,54 @@ Staged = StateDict | Future[StateDict]
 # staging in the caller's thread, blocking copies.
 ASYNC_SAVE_DEFAULT_OPTIONS = (False, False, False, False)
 
-# A kept subtree: for each key (or index) on a path to an exported tensor, either the tensor
-# itself or the subtree below that key.
-_Kept = dict[Any, Any]
+# Where the exported tensors were: their paths (keys and indices from the root), in order.
+_Kept = dict[tuple[Any, ...], torch.Tensor]
 
 
-def _rebuild(container: Any, items: dict[Any, Any]) -> Any:
-    """A shallow copy of ``container`` with ``items`` replaced; the original is never mutated."""
-    if isinstance(container, tuple):
-        values = list(container)
-        for index, value in items.items():
-            values[index] = value
-        if hasattr(container, "_fields"):  # a namedtuple takes its fields positionally
-            return type(container)(*values)
-        return type(container)(values)
-    new = copy.copy(container)
-    for key, value in items.items():
-        new[key] = value
-    return new
-
-
-def _split(obj: Any) -> tuple[Any, _Kept | torch.Tensor | None]:
+def _split(obj: Any) -> tuple[Any, _Kept]:
     """Separates exported tensors from the rest.
 
     Returns ``(skeleton, kept)``: ``skeleton`` is ``obj`` with every exported tensor replaced by
     ``None`` (containers on those paths are shallow copies; untouched subtrees are the original
     objects, so the inner stager sees the same identities and sharing as without us), and
-    ``kept`` says where the exported tensors were, or is ``None`` when there were none.
+    ``kept`` maps the path of each exported tensor to it (empty when there were none).
     """
-    if isinstance(obj, torch.Tensor):
-        return (None, obj) if is_exported(obj) else (obj, None)
-    if isinstance(obj, dict):
-        entries: Any = obj.items()
-    elif isinstance(obj, (list, tuple)):
-        entries = enumerate(obj)
-    else:
-        return obj, None
     kept: _Kept = {}
-    replaced: dict[Any, Any] = {}
-    for key, value in entries:
-        skeleton, below = _split(value)
-        if below is not None:
-            kept[key] = below
-            replaced[key] = skeleton
-    if not kept:
-        return obj, None
-    return _rebuild(obj, replaced), kept
+
+    def keep(value: Any, path: tuple[Any, ...]) -> Any:
+        if isinstance(value, torch.Tensor) and is_exported(value):
+            kept[path] = value
+            return None
+        return value
+
+    return map_tree(obj, keep, copy_changed=True), kept
 
 
-def _merge(staged: Any, kept: _Kept, path: str = "") -> Any:
+def _changed_structure(staged: Any, kept: _Kept) -> RuntimeError | None:
+    """The error for the first kept path that ``staged`` lacks, or None."""
+    for path in kept:
+        node = staged
+        for depth, key in enumerate(path):
+            try:
+                if not isinstance(node, (dict, list, tuple)):
+                    raise TypeError(type(node).__name__)
+                node = node[key]
+            except (KeyError, IndexError, TypeError):
+                where = ".".join(str(k) for k in path[: depth + 1])
+                return RuntimeError(
+                    f"the inner stager changed the state dict's structure at {where!r}: "
+                    "PassThroughStager needs a stager that keeps nested dicts, lists and tuples "
+                    "as they are (torch's DefaultStager and BlockingAsyncStager do)"
+                )
+    return None
+
+
+def _merge(staged: Any, kept: _Kept) -> Any:
     """Puts the kept tensors back into the staged structure, copying containers, not mutating."""
-    replaced: dict[Any, Any] = {}
-    for key, value in kept.items():
-        where = f"{path}.{key}" if path else str(key)
-        try:
-            staged_value = staged[key]
-        except (KeyError, IndexError, TypeError) as exc:
-            raise RuntimeError(
-                f"the inner stager changed the state dict's structure at {where!r}: "
-                "PassThroughStager needs a stager that keeps nested dicts, lists and tuples "
-                "as they are (torch's DefaultStager and BlockingAsyncStager do)"
-            ) from exc
-        if isinstance(value, torch.Tensor):
-            replaced[key] = value
-        else:
-            replaced[key] = _merge(staged_value, value, where)
-    return _rebuild(staged, replaced)
+    error = _changed_structure(staged, kept)
+    if error is not None:
+        raise error
+    return map_tree(staged, lambda value, path: kept.get(path, value), copy_changed=True)
 
 
 class PassThroughStager(AsyncStager):
@@ -193,9 +175,8 @@ class PassThroughStager(AsyncStager):
                 stager.close()
         else:
             staged = self._inner.stage(skeleton, **kwargs)
-        if kept is None:
+        if not kept:
             return staged
-        assert isinstance(kept, dict)  # the top level of a state dict is a container
         if not isinstance(staged, Future):
             return _merge(staged, kept)
 

@@ -31,6 +31,7 @@ import torch
 
 from .. import _wrap
 from .._policy import Placement, as_placement, export_placement
+from .._versions import installed
 
 # Where one object's placement record lives, in that object's __dict__ (its wrappers are
 # te_ckpt_placement._wrap's, of owner OWNER).
@@ -64,14 +65,7 @@ class Framework:
 
     def version(self) -> str:
         """The installed version, or ``"unknown"``."""
-        from importlib.metadata import PackageNotFoundError, version
-
-        for dist in self.distributions:
-            try:
-                return version(dist)
-            except PackageNotFoundError:
-                continue
-        return "unknown"
+        return installed(*self.distributions)
 
     def describe(self) -> str:
         return f"{self.name} {self.version()}"

@@ -45,7 +45,6 @@ from __future__ import annotations
 import contextvars
 import hashlib
 import inspect
-import sys
 import textwrap
 import weakref
 from collections.abc import Callable, Iterator
@@ -55,10 +54,12 @@ from typing import Any
 import torch
 
 from .. import _export as engine
+from .. import _reports as reports
 from .. import _te_contract as te_contract
 from .. import _te_load as te_load
 from .. import _wrap
 from .._policy import Placement, as_placement, current_placement
+from .._versions import installed
 from ._methods import PlacementLike, place_methods, unplace_methods
 
 __all__ = [
@@ -124,6 +125,16 @@ CHECKPOINT_METHODS = (
 
 # The instance methods whose behaviour changes inside a streaming policy.
 _BEHAVIOURS = ("state_dict", "load_state_dict", "_get_main_param_and_optimizer_states")
+# The other checkpoint methods, each counted as one streamed operation (the behaviours count
+# themselves): a save ("export") or a load. sharded_state_dict reads states for a load template
+# too (is_loading=True), which still exports them to the host.
+_REPORTED: dict[str, reports.Op] = {
+    "sharded_state_dict": "export",
+    "save_parameter_state": "export",
+    "get_parameter_state_dp_zero": "export",
+    "get_parameter_state_dp_reshardable": "export",
+    "load_parameter_state": "load",
+}
 # The owner of this integration's wrappers (te_ckpt_placement._wrap); the policy around the
 # checkpoint methods is _methods.place_methods'.
 OWNER = "megatron"
@@ -143,13 +154,7 @@ class UnsupportedMegatronError(RuntimeError):
 
 def megatron_version() -> str:
     """The installed megatron-core version, or a phrase saying why it is unknown."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("megatron-core")
-    except PackageNotFoundError:
-        module = sys.modules.get("megatron.core.package_info")
-        return str(getattr(module, "__version__", "not installed"))
+    return installed("megatron-core", module="megatron.core.package_info", default="not installed")
 
 
 def _fingerprint(func: Any) -> str:
@@ -228,6 +233,20 @@ def _streaming_te_inner(optimizer: Any) -> Any:
 # --- the behaviour inside a streaming policy --------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _Reported:
+    """A checkpoint method that, inside a streaming policy, leaves one ``TransferReport``
+    (path ``"megatron"``; the calls it makes count towards it)."""
+
+    op: reports.Op
+
+    def __call__(self, optimizer: Any, original: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        if _streaming_te_inner(optimizer) is None:
+            return original(*args, **kw)
+        with reports.operation(self.op, path="megatron"):
+            return original(*args, **kw)
+
+
 def _state_dict(optimizer: Any, original: Callable[[], Any]) -> Any:
     inner = _streaming_te_inner(optimizer)
     if inner is None:
@@ -235,22 +254,25 @@ def _state_dict(optimizer: Any, original: Callable[[], Any]) -> Any:
     _divert_inner_state_dict(optimizer, inner)
     token = _GROUPS_ONLY.set(_GROUPS_ONLY.get() | {id(inner)})
     try:
-        return original()
+        with reports.operation("export", path="megatron"):
+            return original()
     finally:
         _GROUPS_ONLY.reset(token)
 
 
 def _load_state_dict(optimizer: Any, original: Callable[[Any], Any], state_dict: Any) -> Any:
     inner = _streaming_te_inner(optimizer)
-    if (
-        inner is not None
-        and optimizer.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
-        and not optimizer.ddp_config.use_megatron_fsdp
-        and len(inner.state) == 0
-    ):
-        # The states TE's load writes into, instead of dummies next to them (L974-1020).
-        te_load.initialize_states(inner)
-    return original(state_dict)
+    if inner is None:
+        return original(state_dict)
+    with reports.operation("load", path="megatron"):
+        if (
+            optimizer.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+            and not optimizer.ddp_config.use_megatron_fsdp
+            and len(inner.state) == 0
+        ):
+            # The states TE's load writes into, instead of dummies next to them (L974-1020).
+            te_load.initialize_states(inner)
+        return original(state_dict)
 
 
 def _get_main_param_and_optimizer_states(
@@ -271,10 +293,12 @@ def _get_main_param_and_optimizer_states(
         for name, value in stored.items()
         if isinstance(value, torch.Tensor)
     }
-    tensors = {
-        name: engine.materialize(source, reuse_buffers=placement.reuse_buffers)
-        for name, source in sources.items()
-    }
+    # Counted towards the checkpoint method's report (its own report if called on its own).
+    with reports.operation("export", path="megatron"):
+        tensors = {
+            name: engine.materialize(source, reuse_buffers=placement.reuse_buffers)
+            for name, source in sources.items()
+        }
     tensors["param"] = tensors.pop("master_param")
     return tensors
 
@@ -376,6 +400,9 @@ def _place(optimizer: Any, placement: Placement) -> None:
         for name in _BEHAVIOURS:
             impl = _Diverted() if name == "state_dict" else _IMPLS[name]
             _wrap.add_wrapper(optimizer, name, impl, owner=OWNER)
+        for name, op in _REPORTED.items():
+            if hasattr(type(optimizer), name):  # (the legacy torch-format ones may be gone)
+                _wrap.add_wrapper(optimizer, name, _Reported(op), owner=OWNER)
     # Outermost: the policy around each checkpoint method (the behaviours above included).
     place_methods(optimizer, CHECKPOINT_METHODS, placement)
 

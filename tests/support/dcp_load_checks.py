@@ -340,10 +340,12 @@ def check_column_sharded_resharding(backend: Backend, mesh: DeviceMesh, root: Pa
             for _ in range(2)
         )
         load_template_path(ref, path, process_group=solo)
-        with warnings.catch_warnings(record=True) as caught, reports.operation("load"):
+        with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", StreamingLoadWarning)
             planner = load_streaming(ours, path, process_group=solo)
-        report = reports.last_report()
+        report = planner.report
+        assert report is reports.last_report() and report is not None, where
+        assert report.details["peak_assembly_bytes"] == assembled_bytes(ours), where
         assert_same_run(ours, ref, f"{where}: streaming vs template path")
         if moments not in WHOLE:
             assert_same_full(ours.full(), saved_full, f"{where}: loaded")

@@ -337,7 +337,7 @@ def check_resharding(backend: Backend, meshes: Meshes, root: Path) -> None:
         # (2, 5, 4) states on the (1, 2) mesh, which the planner assembles on the host; rank 1's
         # one expert (1, 5, 4) and row pieces take contiguous regions, written in place.
         strided = layout == "moe" and r == 0
-        assert (planner.peak_assembly_bytes > 0) == strided, f"{where} 4->2: {planner.stats}"
+        assert (planner.peak_assembly_bytes > 0) == strided, f"{where} 4->2: {planner.report}"
         assert_same_full(two[0].full(), saved, f"{where} 4->2")
         save_plain(two[0], root / "two", **pair)
     if r == 0:  # 2 -> 1: one process, no group
