@@ -197,11 +197,17 @@ class Bench:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+        from te_ckpt_placement import _workers
         from te_ckpt_placement.dcp import SnapshotStager, StreamingWriter
 
         threads = self.args.writer_threads
         path = self.root / f"{framework}_{async_mode}_{mode}_{index}"
-        ref = self.reference() if self.args.verify else None
+        # TE's export at the save point, to compare the files with: every bounded save, and the
+        # first of the others (--verify-all: every save).
+        verify = self.args.verify and (
+            self.args.verify_all or mode in ("snapshot", "streaming") or index == 1
+        )
+        ref = self.reference() if verify else None
         e2e.synchronize()
         gc.collect()
         cuda = not e2e.SMOKE
@@ -249,12 +255,24 @@ class Bench:
                     response.staging_completion.result()
                 blocked = time.perf_counter() - start
                 del state
+                # The save's GPU bytes: its own phases, not the training step between them.
+                gpu_peak = torch.cuda.max_memory_allocated() if cuda else 0
                 e2e.train_step(self.model, self.opt, self.args.hidden)  # training goes on
+                if cuda:
+                    e2e.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    gpu_base_after = torch.cuda.memory_allocated()
                 e2e.wait(response)
+                if cuda:
+                    gpu_peak = max(
+                        gpu_peak, gpu_base + torch.cuda.max_memory_allocated() - gpu_base_after
+                    )
                 if framework == "automodel" and not bounded:
                     stager.close()  # Automodel's _release_async_stager
             seconds = time.perf_counter() - start
-        gpu = torch.cuda.max_memory_allocated() - gpu_base if cuda else 0
+        if cuda and async_mode == "sync":
+            gpu_peak = torch.cuda.max_memory_allocated()
+        gpu = gpu_peak - gpu_base if cuda else 0
         raw = self.raw_bytes()
         record: dict[str, Any] = {
             "op": "framework_save",
@@ -271,7 +289,9 @@ class Bench:
             "raw_bytes": raw,
             "d2h_bytes_per_s": self.bandwidth,
             "bound_seconds": raw / self.bandwidth,
-            "omp_threads": torch.get_num_threads(),
+            "intra_op_threads": torch.get_num_threads(),
+            "host_workers": _workers.count(),
+            "host_cpus": len(os.sched_getaffinity(0)),
         }
         if ref is not None:
             record["equals_te_export"] = self.equals(path, ref)
@@ -309,13 +329,29 @@ class Bench:
             if mode not in wanted:
                 continue
             for index in range(1, self.args.saves + 1):
-                self.save(framework, async_mode, mode, index)
+                try:
+                    self.save(framework, async_mode, mode, index)
+                except Exception as exc:  # recorded, and the next row runs
+                    record = {
+                        "op": "framework_save",
+                        "framework": framework,
+                        "async_mode": async_mode,
+                        "mode": mode,
+                        "save_index": index,
+                        "error": f"{type(exc).__name__}: {exc}"[:500],
+                    }
+                    self.records.append(record)
+                    print(json.dumps(record), flush=True)
+                    break
 
 
 def targets(records: list[dict[str, Any]], threads: int, max_state_bytes: int) -> list[str]:
     lines = []
     for r in records:
         where = f"{r['framework']} {r['async_mode']} {r['mode']} save {r['save_index']}"
+        if "error" in r:
+            lines.append(f"{where}: failed: {r['error']}")
+            continue
         if r["mode"] == "snapshot" and r["async_mode"] == "process":
             host_ok = r["peak_extra_host_bytes"] <= r["raw_bytes"] + 1.25 * GIB
             gpu_ok = r["peak_extra_gpu_bytes"] == 0
@@ -343,10 +379,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--elements", type=float, default=0.5e9, help="local parameter elements N")
     p.add_argument("--hidden", type=int, default=8192)
-    p.add_argument("--saves", type=int, default=3)
+    p.add_argument("--saves", type=int, default=2)
     p.add_argument("--writer-threads", type=int, default=1)
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--no-verify", dest="verify", action="store_false")
+    p.add_argument("--verify-all", action="store_true", help="compare every save, not the first")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints")
     p.add_argument("--root", default=None, help="checkpoint directory (default: a temp dir)")
     p.add_argument("--out", type=Path, default=None, help="write the records as JSON")

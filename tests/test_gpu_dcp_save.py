@@ -85,6 +85,7 @@ def _process_worker(rank: int, port: int, root: str) -> None:
     modes = [(bf16, "remainder"), (fp16, "fp32"), (fp8, "fp32"), (bf16, "fp32")]
     try:
         for kind in (AsyncCheckpointerType.PROCESS, AsyncCheckpointerType.THREAD):
+            (Path(root) / kind.value).mkdir()
             checks.check_process_async(CUDA, mesh, pg, Path(root) / kind.value, modes, kind=kind)
         torch.cuda.synchronize()
     finally:
