@@ -20,7 +20,6 @@ from .support import automodel_run  # noqa: E402
 from .support.helpers import assert_same_export  # noqa: E402
 
 
-
 def _same(ours: dict[str, Any], ref: dict[str, Any], where: str) -> None:
     assert ours.keys() == ref.keys(), f"{where}: keys {sorted(ours.keys() ^ ref.keys())}"
     assert_same_export(ours, ref, where)

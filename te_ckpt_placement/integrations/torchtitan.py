@@ -308,7 +308,7 @@ def _ready_made(name: str) -> type:
         ) from exc
     # torchtitan's Configurable builds the class that declares the nested Config, so each class
     # declares its own (a keyword-only, slotted dataclass, as Configurable checks).
-    config = dataclasses.dataclass(kw_only=True, slots=True)(
+    config: Any = dataclasses.dataclass(kw_only=True, slots=True)(
         type("Config", (base.Config,), {"__module__": MODULE, "__qualname__": f"{name}.Config"})
     )
     return type(name, (mixin, base), {"__module__": MODULE, "Config": config})

@@ -138,9 +138,7 @@ class TitanRun:
         """Global weights and TE's own export (no policy), as bits: what a checkpoint must hold."""
         out: dict[str, Any] = {}
         with export_placement(None):
-            export = get_optimizer_state_dict(
-                self.model, list(self.optimizers), options=FLAT
-            )
+            export = get_optimizer_state_dict(self.model, list(self.optimizers), options=FLAT)
         weights = {k: v.detach() for k, v in self.model.state_dict().items()}
         for key, value in {**weights, **export}.items():
             if isinstance(value, DTensor):
@@ -196,8 +194,9 @@ def resume_phase(rank: int, port: int, world: int, tmp: Path, results: Any) -> N
         if not (tmp / saved / "ckpt" / f"step-{SAVE_STEP}" / ".metadata").exists():
             continue  # the save failed (save_phase reported it)
         run = TitanRun(mesh, tmp / saved, placed=placed, async_mode="disabled", seed=7)
-        calls = []
-        hooks = [o.register_step_pre_hook(lambda *_: calls.append(1)) for o in run.optimizers]
+        calls: list[int] = []
+        count = functools.partial(lambda calls, *_: calls.append(1), calls)
+        hooks = [o.register_step_pre_hook(count) for o in run.optimizers]
         assert run.checkpointer.load()
         for hook in hooks:
             hook.remove()
