@@ -1,8 +1,8 @@
 """torchtitan: its ``OptimizersContainer`` and ``CheckpointManager`` on the bounded DCP paths.
 
 Importing this module does not import ``torchtitan``; asking for a ready-made class
-(:data:`READY_MADE`: ``PlacementOptimizersContainer``, ``PlacementCheckpointManager``) does, at
-that moment. Two mixins, meant to be used together:
+(:data:`PLACEMENT_CLASSES`: ``PlacementOptimizersContainer``, ``PlacementCheckpointManager``)
+does, at that moment. Two mixins, meant to be used together:
 
 - :class:`PlacementOptimizersMixin` (an ``OptimizersContainer``): ``state_dict()`` returns the
   placed, streaming states (lazy states that DCP's writer produces one at a time) under
@@ -33,7 +33,7 @@ from te_ckpt_placement.integrations import _bounded
 from te_ckpt_placement.integrations._methods import Framework, PlacementLike
 
 __all__ = [
-    "READY_MADE",
+    "PLACEMENT_CLASSES",
     "TE_FUSED_ADAM",
     "TORCHTITAN",
     "PlacementCheckpointMixin",
@@ -284,7 +284,7 @@ class PlacementCheckpointMixin:
 
 
 #: Ready-made classes by name -> (the torchtitan class they extend, the mixin put first).
-READY_MADE = {
+PLACEMENT_CLASSES = {
     "PlacementOptimizersContainer": (
         "torchtitan.components.optimizer.OptimizersContainer",
         PlacementOptimizersMixin,
@@ -297,7 +297,7 @@ READY_MADE = {
 
 
 def _ready_made(name: str) -> type:
-    target, mixin = READY_MADE[name]
+    target, mixin = PLACEMENT_CLASSES[name]
     module_name, base_name = target.rsplit(".", 1)
     try:
         base = getattr(importlib.import_module(module_name), base_name)
@@ -315,7 +315,7 @@ def _ready_made(name: str) -> type:
 
 
 def __getattr__(name: str) -> Any:
-    if name not in READY_MADE:
+    if name not in PLACEMENT_CLASSES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     cls = _ready_made(name)
     globals()[name] = cls  # built once: the same class on every lookup
