@@ -21,6 +21,7 @@ PUBLIC_MODULES = (
     "te_ckpt_placement.integrations.lightning",
     "te_ckpt_placement.integrations.pytorch_lightning",
     "te_ckpt_placement.integrations.automodel",
+    "te_ckpt_placement.integrations.torchtitan",
     "te_ckpt_placement.integrations.megatron",
 )
 
