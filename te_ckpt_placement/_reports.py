@@ -9,9 +9,10 @@ marked ``failed``, with the counts of the work done before the failure.
 
 The counts are kept by the code that does the work, once per state (or per write), never per
 chunk, and nothing is synchronized to take them. The DCP load planner's ``dcp.load`` leaves one
-(path ``"planner"``), and so does each checkpoint method of a placed Megatron optimizer (path
-``"megatron"``). Not reported: ``te_load.load_state`` on its own (a per-state write, which counts
-towards an operation only when one is running) and the DCP streaming save (``LazyState``).
+(path ``"planner"``), and so do each checkpoint method of a placed Megatron optimizer (path
+``"megatron"``), each ``SnapshotStager`` stage (``"snapshot"``) and each ``StreamingWriter`` write
+(``"streaming_save"``). Not reported: ``te_load.load_state`` on its own (a per-state write, which
+counts towards an operation only when one is running).
 """
 
 from __future__ import annotations
