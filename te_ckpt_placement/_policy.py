@@ -77,7 +77,7 @@ class Placement:
         rollback: What a streaming ``load_state_dict`` does when it fails part-way, after the
             checkpoint was validated (a device error, an allocation failure, a
             KeyboardInterrupt). ``False`` (default) costs nothing: the load raises
-            ``te_ckpt_placement._te_load.PartialLoadError`` (a KeyboardInterrupt propagates with
+            ``te_ckpt_placement.PartialLoadError`` (a KeyboardInterrupt propagates with
             a note) saying how many states were written; the optimizer then holds a mix of old
             and loaded states, and loading the same checkpoint again repairs it. ``True`` puts
             the previous state back exactly, at the price of a host copy of every live state

@@ -4,7 +4,7 @@ A first export writes into never-touched memory, and its page faults, not the co
 ``Placement(reuse_buffers=True)`` keeps the buffers for the next export; this makes them before
 the first one, one per state as that export will take them (:data:`._pool.EXPORTS`), faults
 them in on the host workers, starts the workers and makes each device's staging ring. The raw
-snapshot's buffers (``dcp.SnapshotStager``) are not made here yet.
+snapshot's buffers are made by ``dcp.SnapshotStager.prewarm``.
 """
 
 from __future__ import annotations

@@ -232,3 +232,31 @@ def test_host_budget_warns_once_per_save_path(
         "te_ckpt_placement: this streaming_save",
     ], messages
     assert (tmp_path / "budget1" / ".metadata").is_file()  # warned, never refused
+
+
+def test_prewarm_makes_the_buffers_the_first_stage_reuses() -> None:
+    """A stage after ``prewarm`` allocates nothing (issue 20: the first snapshot save blocks
+    only for its copies) and holds the same bits as a stage without it."""
+    case = plain_case(BF16, "remainder", seed=7)
+    cold = SnapshotStager(pin_memory=False)
+    expected = _produced(cold.stage({"optim": case.lazy()}))
+    assert cold.last_report is not None and cold.last_report.details["allocated_bytes"] > 0
+    stager = SnapshotStager(pin_memory=False)
+    state = PlacedOptimizerState(case.model, case.opt, save="streaming")
+    kept = stager.prewarm({"optim": state})
+    assert kept == stager.buffer_bytes > 0
+    staged = stager.stage({"optim": state.state_dict()})
+    report = stager.last_report
+    assert report is not None and report.details["allocated_bytes"] == 0, report
+    got = _produced(staged)
+    assert got.keys() == expected.keys() and got
+    for key, value in got.items():
+        assert torch.equal(value, expected[key]), key
+    stager.close()
+    cold.close()
+    assert stager.buffer_bytes == 0
+
+
+def _produced(staged: Any) -> dict[str, torch.Tensor]:
+    """The bits each staged lazy state of ``staged["optim"]`` produces, by key."""
+    return {k: bits(local(v).produce()) for k, v in staged["optim"].items() if is_lazy(v)}

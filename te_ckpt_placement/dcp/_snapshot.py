@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from .. import _export as engine
@@ -247,6 +248,25 @@ class SnapshotStager(AsyncStager):
                         recorder.detail(key, value)
         self.last_report = reports.last_report()
         return staged  # type: ignore[no-any-return]
+
+    def prewarm(self, state_dict: StateDict) -> int:
+        """Makes (and pins) the buffers that staging ``state_dict`` takes, at setup; returns the
+        bytes kept.
+
+        The first :meth:`stage` allocates and pins its buffers, blocking training for far longer
+        than its copies take; after this, a stage of the same state dict (the same keys, shapes
+        and dtypes: pass what ``dcp.async_save`` will be given, ``Stateful`` values included)
+        reuses them and blocks only for the copies. Costs the raw stored bytes of the state dict
+        in host memory, held until :meth:`close` or ``te_ckpt_placement.release_buffers()``, and
+        one device-to-host copy of them now (a stage like any other, with its report).
+        """
+        resolved = {
+            key: value.state_dict() if isinstance(value, Stateful) else value
+            for key, value in state_dict.items()
+        }
+        staged = self.stage(resolved)
+        del staged, resolved
+        return self.buffer_bytes
 
     def _check_budget(self, state_dict: StateDict) -> None:
         total = sum(iter_tree(state_dict, _staged_bytes))

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .._tensors import local as local_tensor
 from . import _resume
 
 
@@ -292,10 +293,9 @@ class _FullLoad:
     def apply(self) -> dict[str, Any]:
         """Copies each rank's shard into the template; returns the state dict to load."""
         from torch.distributed._state_dict_utils import _unflatten_state_dict
-        from torch.distributed.tensor import DTensor
 
         for value, shard in self.copies:
-            (value.to_local() if isinstance(value, DTensor) else value).copy_(shard)
+            local_tensor(value).copy_(shard)
         merged: dict[str, Any] = _unflatten_state_dict(self.flat, self.paths)
         for group in merged.get("param_groups", []):
             group.setdefault("params", [])  # torch's too: flattening drops empty lists
