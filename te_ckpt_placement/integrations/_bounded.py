@@ -14,7 +14,9 @@ values), so a run without te_ckpt_placement resumes from them and the other way 
 
 from __future__ import annotations
 
+import importlib
 import os
+import warnings
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
@@ -117,3 +119,24 @@ def load(
         planner=StreamingLoadPlanner(adapter),
         process_group=process_group,
     )
+
+
+_warned: set[str] = set()
+
+
+def warn_once(reason: str, message: str, *, stacklevel: int) -> None:
+    """Warns ``message`` (a ``RuntimeWarning``) the first time ``reason`` keeps a framework's own,
+    unbounded checkpoint code."""
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
+
+
+def framework_class(owner: str, target: str, install: str) -> Any:
+    """The framework class ``target`` (``"module.Class"``) that ``owner``'s ready-made class
+    extends, imported now; the error says what to install when the framework is missing."""
+    module_name, base_name = target.rsplit(".", 1)
+    try:
+        return getattr(importlib.import_module(module_name), base_name)
+    except ImportError as exc:
+        raise ImportError(f"{owner} extends {target}, which needs {install}: {exc}") from exc

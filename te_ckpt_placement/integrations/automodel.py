@@ -36,7 +36,6 @@ import contextlib
 import importlib
 import os
 import sys
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -104,19 +103,14 @@ def _unbounded_reason(checkpointer: Any, path: str) -> str | None:
     return None
 
 
-_warned: set[str] = set()
-
-
 def _keep_automodel(reason: str) -> None:
-    if reason not in _warned:
-        _warned.add(reason)
-        warnings.warn(
-            f"te_ckpt_placement: {reason}: Automodel's own optimizer save/load runs, under the "
-            "export policy but holding the whole FP32 export on the host; the bounded paths "
-            "cover flattened (non-PEFT) optimizer states on file paths",
-            RuntimeWarning,
-            stacklevel=4,
-        )
+    _bounded.warn_once(
+        reason,
+        f"te_ckpt_placement: {reason}: Automodel's own optimizer save/load runs, under the "
+        "export policy but holding the whole FP32 export on the host; the bounded paths "
+        "cover flattened (non-PEFT) optimizer states on file paths",
+        stacklevel=4,
+    )
 
 
 def _optimizer_state(checkpointer: Any, model: Any, optimizer: Any, save: str) -> Any:
@@ -311,14 +305,9 @@ def placement_recipe(
 
 def _ready_made(name: str) -> type:
     target = READY_MADE[name]
-    module_name, base_name = target.rsplit(".", 1)
-    try:
-        base = getattr(importlib.import_module(module_name), base_name)
-    except ImportError as exc:
-        raise ImportError(
-            f"{MODULE}.{name} extends {target}, which needs NeMo Automodel "
-            f"(pip install nemo-automodel): {exc}"
-        ) from exc
+    base = _bounded.framework_class(
+        f"{MODULE}.{name}", target, "NeMo Automodel (pip install nemo-automodel)"
+    )
     cls = placement_recipe(base, name=name)
     cls.__module__ = MODULE
     return cls

@@ -24,8 +24,6 @@ and TE's FP32/int16 values, so placed and unplaced runs resume from each other's
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import warnings
 from typing import Any
 
 from te_ckpt_placement._policy import as_placement
@@ -157,19 +155,14 @@ class PlacementOptimizersMixin:
         state.load_state_dict(state_dict)
 
 
-_warned: set[str] = set()
-
-
 def _keep_torchtitan(reason: str) -> None:
-    if reason not in _warned:
-        _warned.add(reason)
-        warnings.warn(
-            f"te_ckpt_placement: {reason}: torchtitan's own dcp_save/dcp_load run (the whole "
-            "optimizer export on the host); the bounded paths need an OptimizersContainer "
-            "with PlacementOptimizersMixin (a placement set) and native DCP checkpoints",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+    _bounded.warn_once(
+        reason,
+        f"te_ckpt_placement: {reason}: torchtitan's own dcp_save/dcp_load run (the whole "
+        "optimizer export on the host); the bounded paths need an OptimizersContainer "
+        "with PlacementOptimizersMixin (a placement set) and native DCP checkpoints",
+        stacklevel=3,
+    )
 
 
 def _placed(state_dict: dict[str, Any]) -> Any:
@@ -298,14 +291,9 @@ PLACEMENT_CLASSES = {
 
 def _ready_made(name: str) -> type:
     target, mixin = PLACEMENT_CLASSES[name]
-    module_name, base_name = target.rsplit(".", 1)
-    try:
-        base = getattr(importlib.import_module(module_name), base_name)
-    except ImportError as exc:
-        raise ImportError(
-            f"{MODULE}.{name} extends {target}, which needs torchtitan "
-            f"(pip install torchtitan=={TORCHTITAN.tested}): {exc}"
-        ) from exc
+    base = _bounded.framework_class(
+        f"{MODULE}.{name}", target, f"torchtitan (pip install torchtitan=={TORCHTITAN.tested})"
+    )
     # torchtitan's Configurable builds the class that declares the nested Config, so each class
     # declares its own (a keyword-only, slotted dataclass, as Configurable checks).
     config: Any = dataclasses.dataclass(kw_only=True, slots=True)(
