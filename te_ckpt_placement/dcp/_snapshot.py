@@ -24,11 +24,11 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.tensor import DTensor
 
 from .. import _export as engine
 from .. import _host_budget, _pool, _ring
 from .. import _reports as reports
+from .._tensors import local
 from .._tree import iter_tree, map_tree
 from ._lazy_state import LazyState, _Ledger, lazy_of, rewrap
 
@@ -114,8 +114,7 @@ class _Snapshot:
             if engine.is_exported(obj):  # a private host snapshot already
                 self.passed_through += 1
                 return obj
-            local = obj._local_tensor if isinstance(obj, DTensor) else obj
-            host = self.copy(local, path)
+            host = self.copy(local(obj), path)
             self.other_bytes += _nbytes(host)
             recorder = reports.active()
             if recorder is not None:
@@ -134,8 +133,7 @@ def _staged_bytes(obj: Any) -> int | None:
         scale = 0 if source.scale is None else _nbytes(source.scale)
         return _nbytes(source.data) + scale
     if isinstance(obj, torch.Tensor) and not engine.is_exported(obj):
-        local = obj._local_tensor if isinstance(obj, DTensor) else obj
-        return _nbytes(local)
+        return _nbytes(local(obj))
     return None
 
 
