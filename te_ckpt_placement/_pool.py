@@ -281,7 +281,11 @@ class HostPool:
             for name, group in list(self._kept.items()):
                 keep = []
                 for kept in group:
-                    if kept.round is round or (self.keep_busy and not self._idle(kept)):
+                    # A buffer pickled to another process (torch moves its storage to shared
+                    # memory) is never idle again: kept, it would grow the pool every round.
+                    moved = not kept.shared and kept.storage.is_shared()
+                    busy = self.keep_busy and not moved and not self._idle(kept)
+                    if kept.round is round or busy:
                         keep.append(kept)
                     else:
                         kept.release()

@@ -234,9 +234,14 @@ class _Pool:
             )
             thread.start()
             self.threads.append(thread)
-            started.append(ready)
-        for ready in started:
-            ready.result()  # a worker that cannot run on one thread fails here, before any task
+            started.append((thread, ready))
+        failed = [(thread, ready) for thread, ready in started if ready.exception() is not None]
+        if failed:
+            # A worker that cannot run on one thread has ended: it is not counted, so a later
+            # call starts a new one instead of queueing tasks nothing takes.
+            dead = {thread for thread, _ in failed}
+            self.threads = [t for t in self.threads if t not in dead]
+            failed[0][1].result()
 
     def submit(self, fn: Callable[[], Any]) -> Future[Any]:
         future: Future[Any] = Future()
@@ -284,14 +289,24 @@ def run(tasks: Sequence[Callable[[], Any]], *, workers: int | None = None) -> li
     start(len(tasks) if workers is None else workers)
     pool = _pool
     assert pool is not None
-    futures = [pool.submit(task) for task in tasks]
+    # The caller's autograd modes go with each task (an export under torch.inference_mode()
+    # writes into inference tensors, which only inference mode may update in place).
+    inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+    futures: list[Future[Any]] = []
     try:
+        for task in tasks:
+            futures.append(pool.submit(functools.partial(_in_modes, task, inference, grad)))
         return [future.result() for future in futures]
     except BaseException:
         for future in futures:
             future.cancel()
         _wait_all(futures)
         raise
+
+
+def _in_modes(task: Callable[[], Any], inference: bool, grad: bool) -> Any:
+    with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+        return task()
 
 
 def _wait_all(futures: list[Future[Any]]) -> None:

@@ -260,3 +260,20 @@ def test_prewarm_makes_the_buffers_the_first_stage_reuses() -> None:
 def _produced(staged: Any) -> dict[str, torch.Tensor]:
     """The bits each staged lazy state of ``staged["optim"]`` produces, by key."""
     return {k: bits(local(v).produce()) for k, v in staged["optim"].items() if is_lazy(v)}
+
+
+def test_prewarm_of_a_fresh_optimizer_leaves_it_fresh_and_fits_its_first_save() -> None:
+    """At setup the optimizer has no states: prewarm sizes them from TE's initial states and
+    takes them back (no fake step: TE's first step stays its first), and the first save after
+    training started reuses what it made."""
+    case = checks.Case(CPU, None, BF16, "remainder", seed=11, dims=(3, 5, 4))
+    steps = [group.get("step") for group in case.opt.param_groups]
+    stager = SnapshotStager(pin_memory=False)
+    state = PlacedOptimizerState(case.model, case.opt, save="streaming")
+    assert stager.prewarm({"optim": state}) > 0
+    assert not case.opt.state and [g.get("step") for g in case.opt.param_groups] == steps
+    case.train(1, seed=12)
+    stager.stage({"optim": state.state_dict()})
+    report = stager.last_report
+    assert report is not None and report.details["allocated_bytes"] == 0, report
+    stager.close()

@@ -177,6 +177,25 @@ def test_a_buffer_moved_to_shared_memory_is_never_reused(clean: None) -> None:
     assert ptr not in ptrs(export(opt))
 
 
+def test_buffers_pickled_to_another_process_do_not_pile_up(clean: None) -> None:
+    # A process-based async save pickles the export (torch moves its storages to shared
+    # memory): such a buffer is never reused, and the pool must not keep it round after round.
+    import io
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    pool = _pool.HostPool(keep_busy=True)
+    held = []
+    for _ in range(4):
+        round_ = object()
+        out = pool.take(torch.Size([1024]), torch.float32, round=round_)
+        ForkingPickler(io.BytesIO(), pickle.HIGHEST_PROTOCOL).dump(out)  # what DCP's pipe does
+        assert out.untyped_storage().is_shared()
+        pool.end_round(round_)
+        held.append(pool.nbytes)
+    assert held == [4096] * 4, held  # this round's buffer only
+
+
 # --- issue 15.8: the cache keeps what the last export needed ----------------------------------
 
 

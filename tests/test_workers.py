@@ -202,3 +202,36 @@ def test_zero_workers_keeps_the_calling_thread_path(monkeypatch: pytest.MonkeyPa
     for off in (0, 1):
         with small_pool(off):
             assert_bit_equal(materialize(source), on)
+
+
+@pytest.mark.parametrize(
+    "kind, dtype", [("upcast", torch.bfloat16), ("copy", torch.float32), ("copy", torch.int16)]
+)
+def test_an_export_under_inference_mode_runs_on_the_workers(kind: str, dtype: torch.dtype) -> None:
+    """Lightning validates (and saves from ``on_validation_end``) under ``torch.inference_mode``:
+    the workers write the export's inference tensors under the caller's mode."""
+    data = (torch.arange(5000) % 251).to(dtype)
+    expected = materialize(StateSource(kind=kind, data=data))
+    with small_pool(2), torch.inference_mode(), export_placement("cpu"):
+        out = materialize(StateSource(kind=kind, data=data))
+        assert out.is_inference()
+    assert_bit_equal(out, expected)
+
+
+def test_a_worker_that_fails_to_start_is_not_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_workers, "_pool", None)
+    one_thread = _workers._one_thread
+
+    def refuse() -> None:
+        raise RuntimeError("injected start failure")
+
+    monkeypatch.setattr(_workers, "_one_thread", refuse)
+    with pytest.raises(RuntimeError, match="injected start failure"):
+        _workers.run([lambda: 1, lambda: 2])
+    assert _workers.threads() == 0
+    monkeypatch.setattr(_workers, "_one_thread", one_thread)
+    results: list[Any] = []  # the same pool starts new workers (a dead one would take nothing)
+    runner = threading.Thread(target=lambda: results.append(_workers.run([lambda: 1, lambda: 2])))
+    runner.start()
+    runner.join(10)
+    assert results == [[1, 2]], "the tasks never ran"

@@ -28,9 +28,11 @@ from torch.distributed.checkpoint.stateful import Stateful
 from .. import _export as engine
 from .. import _host_budget, _pool, _ring
 from .. import _reports as reports
+from .._te_initial_states import initialized_for_load
 from .._tensors import local
 from .._tree import iter_tree, map_tree
 from ._lazy_state import LazyState, _Ledger, lazy_of, rewrap
+from ._state import PlacedOptimizerState
 
 StateDict = dict[str, Any]
 
@@ -254,16 +256,27 @@ class SnapshotStager(AsyncStager):
         The first :meth:`stage` allocates and pins its buffers, blocking training for far longer
         than its copies take; after this, a stage of the same state dict (the same keys, shapes
         and dtypes: pass what ``dcp.async_save`` will be given, ``Stateful`` values included)
-        reuses them and blocks only for the copies. Costs the raw stored bytes of the state dict
+        reuses them and blocks only for the copies. An optimizer that has not stepped yet is sized
+        from TE's initial states, which are taken back. Costs the raw stored bytes of the state dict
         in host memory, held until :meth:`close` or ``te_ckpt_placement.release_buffers()``, and
         one device-to-host copy of them now (a stage like any other, with its report).
         """
-        resolved = {
-            key: value.state_dict() if isinstance(value, Stateful) else value
-            for key, value in state_dict.items()
-        }
-        staged = self.stage(resolved)
-        del staged, resolved
+        with ExitStack() as fresh:
+            # An optimizer without states yet (before its first step) is given TE's initial
+            # states for the sizes and has them taken back: torch's fake step, which the export
+            # of a stateless optimizer runs, would change training (TE's first step would count
+            # as its second).
+            for value in state_dict.values():
+                if isinstance(value, PlacedOptimizerState):
+                    for _, optimizers in value._pairs:
+                        for optimizer in optimizers:
+                            fresh.enter_context(initialized_for_load(optimizer))
+            resolved = {
+                key: value.state_dict() if isinstance(value, Stateful) else value
+                for key, value in state_dict.items()
+            }
+            staged = self.stage(resolved)
+            del staged, resolved
         return self.buffer_bytes
 
     def _check_budget(self, state_dict: StateDict) -> None:
