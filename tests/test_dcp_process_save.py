@@ -277,3 +277,30 @@ def test_prewarm_of_a_fresh_optimizer_leaves_it_fresh_and_fits_its_first_save() 
     report = stager.last_report
     assert report is not None and report.details["allocated_bytes"] == 0, report
     stager.close()
+
+
+@pytest.mark.parametrize("host_workers, pooled", [(0, False), (None, True)])
+def test_the_adapters_host_workers_reach_the_writer(
+    monkeypatch: pytest.MonkeyPatch, host_workers: int | None, pooled: bool
+) -> None:
+    """``Placement(host_workers=0)`` means no workers in the streaming save's producers and in a
+    pickled snapshot's conversions too (the writer process), not the default pool."""
+    from te_ckpt_placement import Placement, _workers
+
+    from .support.workers import small_pool
+
+    case = plain_case(FP16, "fp32", seed=21)
+    placement = Placement(device="cpu", host_workers=host_workers)
+    state = PlacedOptimizerState(case.model, case.opt, save="streaming", placement=placement)
+    calls: list[int] = []
+    real_run = _workers.run
+    monkeypatch.setattr(
+        _workers, "run", lambda tasks, **kw: calls.append(1) or real_run(tasks, **kw)
+    )
+    lazies = [local(v) for v in state.state_dict().values() if is_lazy(v)]
+    staged = SnapshotStager(pin_memory=False).stage({"optim": state.state_dict()})
+    received = [forking_round_trip(s) for s in staged_states(staged)]
+    with small_pool(2, task=8, block=8):
+        for lazy in (*lazies, *received):
+            lazy.produce()
+    assert bool(calls) is pooled, calls

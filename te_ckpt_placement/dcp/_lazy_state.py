@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from .. import _export as engine
-from .. import _tensors
+from .. import _tensors, _workers
 from .._policy import Placement, as_placement, export_placement
 from .._te_contract import Contract, has_contract
 from .._tensors import local
@@ -158,6 +158,7 @@ class LazyState(torch.Tensor):
     _spec: DTensorSpec | None
     _stream: Any  # torch.cuda.Stream of the creating thread, for CUDA sources
     _reuse_buffers: bool
+    _host_workers: int | None  # the policy's Placement.host_workers, for the conversion
     _ledger: _Ledger
     _target: torch.Tensor | None
     _snapshot: bool  # reads a host snapshot that nothing in training writes
@@ -174,6 +175,7 @@ class LazyState(torch.Tensor):
         reuse_buffers: bool,
         ledger: _Ledger,
         snapshot: bool = False,
+        host_workers: int | None = None,
     ) -> LazyState:
         self = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
             cls, shape, dtype=dtype, device=torch.device("cpu"), requires_grad=False
@@ -182,6 +184,7 @@ class LazyState(torch.Tensor):
         self._spec = spec  # of the DTensor wrapping this local tensor, None for a plain one
         self._stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         self._reuse_buffers = reuse_buffers
+        self._host_workers = host_workers
         self._ledger = ledger
         self._target = None
         self._snapshot = snapshot
@@ -225,7 +228,7 @@ class LazyState(torch.Tensor):
         return (
             _unpickled_snapshot,
             (source.kind, source.data, source.scale, source.fp8_dtype, self.shape, self.dtype,
-             self._spec),
+             self._spec, self._host_workers),
         )  # fmt: skip
 
     @property
@@ -246,7 +249,7 @@ class LazyState(torch.Tensor):
 
     def produce(self) -> torch.Tensor:
         """The exported host tensor, fresh on every call, as the streaming export makes it."""
-        with _stream_context(self._stream):
+        with _stream_context(self._stream), _workers.sized(self._host_workers):
             out = engine.materialize(self._source, reuse_buffers=self._reuse_buffers)
         self._ledger.record(out)
         writer = getattr(_released_after_write, "ledger", None)
@@ -265,6 +268,7 @@ class LazyState(torch.Tensor):
             reuse_buffers=self._reuse_buffers,
             ledger=ledger,
             snapshot=True,
+            host_workers=self._host_workers,
         )
 
     # --- DCP's _Checkpointable protocol (DTensor forwards to its local tensor) ---------------
@@ -318,6 +322,7 @@ def _unpickled_snapshot(
     shape: torch.Size,
     dtype: torch.dtype,
     spec: DTensorSpec | None,
+    host_workers: int | None = None,
 ) -> LazyState:
     """A snapshot state rebuilt from its pickle (its tensors: shared memory, not copies).
 
@@ -336,6 +341,7 @@ def _unpickled_snapshot(
         reuse_buffers=False,
         ledger=_UNPICKLED,
         snapshot=True,
+        host_workers=host_workers,
     )
 
 
@@ -411,6 +417,7 @@ def _placeholder(
         device=device,
         reuse_buffers=placement.reuse_buffers,
         ledger=ledger,
+        host_workers=placement.host_workers,
     )
     if not isinstance(param, DTensor):
         return lazy
