@@ -98,8 +98,10 @@ _local = threading.local()  # .worker: True on the pool's own threads
 def count() -> int:
     """How many workers the calling thread's host conversions use now (1: none).
 
-    The operation's setting, else the active policy's, else :func:`default_workers`. Inside a
-    worker it is 1: a task never queues tasks of its own.
+    The operation's setting, else the active policy's, else :data:`ENV`'s, else this process's
+    share of its CPUs when that is more than torch's intra-op threads
+    (``torch.get_num_threads()``; otherwise 1: torch's own threads convert). Inside a worker
+    it is 1: a task never queues tasks of its own.
     """
     if getattr(_local, "worker", False):
         return 1
@@ -109,6 +111,10 @@ def count() -> int:
         workers = None if placement is None else placement.host_workers
     if workers is None:
         workers = default_workers()
+        if not os.environ.get(ENV, "").strip() and workers <= torch.get_num_threads():
+            # No more threads than torch's own: the calling thread's torch converts as fast
+            # without the queue (on one H200 its 16 threads loaded faster than 16 workers).
+            return 1
     if workers > 1:
         problem = _isolation_problem()
         if problem is not None:
@@ -162,7 +168,32 @@ def _gomp() -> Any:
 
 def _isolation_problem() -> str | None:
     gomp = _gomp()
-    return gomp if isinstance(gomp, str) else None
+    if isinstance(gomp, str):
+        return gomp
+    return _fork_problem() if _forked else None
+
+
+_forked = False  # set in a forked child (os.register_at_fork below)
+
+
+@functools.cache
+def _fork_problem() -> str | None:
+    """Why this forked process cannot start worker threads, or None: torch's OpenMP pool may be
+    unusable from new threads after a fork (ParallelOpenMP.cpp's "Invalid thread pool")."""
+    errors: list[str] = []
+
+    def probe() -> None:
+        try:
+            torch.softmax(torch.zeros(1, 2), -1)  # a new thread's first parallel op
+        except RuntimeError as exc:
+            errors.append(str(exc).splitlines()[0])
+
+    thread = threading.Thread(target=probe, name="te_ckpt_placement-fork-probe", daemon=True)
+    thread.start()
+    thread.join()
+    if not errors:
+        return None
+    return f"in this forked process torch cannot run ops on new threads ({errors[0]})"
 
 
 def _one_thread() -> None:
@@ -254,9 +285,11 @@ _pool_lock = threading.Lock()
 
 
 def _forget_after_fork() -> None:
-    # The child has none of the parent's threads: it starts its own pool on first use.
-    global _pool, _pool_lock
-    _pool, _pool_lock = None, threading.Lock()
+    # The child has none of the parent's threads: it starts its own pool on first use, where
+    # torch can run ops on new threads there (_fork_problem).
+    global _pool, _pool_lock, _forked
+    _pool, _pool_lock, _forked = None, threading.Lock(), True
+    _fork_problem.cache_clear()
 
 
 if hasattr(os, "register_at_fork"):

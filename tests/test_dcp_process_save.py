@@ -289,6 +289,7 @@ def test_the_adapters_host_workers_reach_the_writer(
 
     from .support.workers import small_pool
 
+    monkeypatch.setenv(_workers.ENV, "2")  # the default, whatever torch's thread count
     case = plain_case(FP16, "fp32", seed=21)
     placement = Placement(device="cpu", host_workers=host_workers)
     state = PlacedOptimizerState(case.model, case.opt, save="streaming", placement=placement)

@@ -174,21 +174,39 @@ def test_an_interrupt_cancels_pending_tasks_and_waits_for_running_ones(
     release.set()
 
 
-def test_a_forked_child_starts_its_own_pool() -> None:
+def test_a_forked_child_starts_its_own_pool_or_says_why_not(tmp_path: Any) -> None:
+    """A forked child has none of the parent's workers. It starts its own, unless torch cannot
+    run ops on new threads there (its OpenMP pool after a fork: "Invalid thread pool"); then a
+    setting of more than 1 is refused naming host_workers=0, and the default converts on the
+    calling thread."""
     _workers.start(2)
     assert _workers.threads() >= 2
+    log = tmp_path / "child.txt"
+    expected = torch.arange(9000.0)
     pid = os.fork()
     if pid == 0:  # the child: none of the parent's threads
         code = 1
         try:
-            if _workers.threads() == 0:
+            assert _workers.threads() == 0, f"the child inherited {_workers.threads()} workers"
+            try:
                 with small_pool(2):
-                    out = materialize(StateSource(kind="copy", data=torch.arange(9000.0)))
-                code = 0 if torch.equal(out, torch.arange(9000.0)) and _workers.threads() else 2
+                    out = materialize(StateSource(kind="copy", data=expected))
+                assert _workers.threads() == 2 and torch.equal(out, expected)
+            except RuntimeError as exc:
+                assert "forked process" in str(exc) and "host_workers=0" in str(exc), exc
+                _workers.MIN_TASK_ELEMENTS = 1000  # so the default would split 9000 elements
+                out = materialize(StateSource(kind="copy", data=expected))
+                assert _workers.threads() == 0 and torch.equal(out, expected)
+            code = 0
+        except BaseException:
+            import traceback
+
+            log.write_text(traceback.format_exc())
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
-    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    why = log.read_text() if log.exists() else ""
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, (status, why)
 
 
 def test_zero_workers_keeps_the_calling_thread_path(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -235,3 +253,23 @@ def test_a_worker_that_fails_to_start_is_not_counted(monkeypatch: pytest.MonkeyP
     runner.start()
     runner.join(10)
     assert results == [[1, 2]], "the tasks never ran"
+
+
+def test_the_default_pool_runs_only_when_it_adds_threads(no_env: pytest.MonkeyPatch) -> None:
+    """Without a setting, the pool converts only where it has more threads than torch's own
+    (torchrun's one per rank); with as many torch threads the calling thread converts. A setting
+    (the policy's, or the environment variable) is followed as given."""
+    threads = torch.get_num_threads()
+    no_env.setattr(_workers, "available_cpus", lambda: 4)
+    no_env.setattr(_workers, "_isolation_problem", lambda: None)
+    try:
+        torch.set_num_threads(1)
+        assert _workers.count() == 4
+        torch.set_num_threads(4)
+        assert _workers.count() == 1
+        with export_placement("cpu", host_workers=4):
+            assert _workers.count() == 4
+        no_env.setenv(_workers.ENV, "4")
+        assert _workers.count() == 4
+    finally:
+        torch.set_num_threads(threads)
