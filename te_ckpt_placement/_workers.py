@@ -99,8 +99,8 @@ def count() -> int:
     """How many workers the calling thread's host conversions use now (1: none).
 
     The operation's setting, else the active policy's, else :data:`ENV`'s, else this process's
-    share of its CPUs when that is more than torch's intra-op threads
-    (``torch.get_num_threads()``; otherwise 1: torch's own threads convert). Inside a worker
+    share of its CPUs, unless that equals torch's intra-op thread count
+    (``torch.get_num_threads()``; then 1: torch's own threads convert). Inside a worker
     it is 1: a task never queues tasks of its own.
     """
     if getattr(_local, "worker", False):
@@ -111,9 +111,11 @@ def count() -> int:
         workers = None if placement is None else placement.host_workers
     if workers is None:
         workers = default_workers()
-        if not os.environ.get(ENV, "").strip() and workers <= torch.get_num_threads():
-            # No more threads than torch's own: the calling thread's torch converts as fast
+        if not os.environ.get(ENV, "").strip() and workers == torch.get_num_threads():
+            # As many threads as torch's own: the calling thread's torch converts as fast
             # without the queue (on one H200 its 16 threads loaded faster than 16 workers).
+            # Fewer torch threads (torchrun's one) or more (ranks oversubscribing the host's
+            # CPUs) take the pool, which keeps this rank to its share.
             return 1
     if workers > 1:
         problem = _isolation_problem()

@@ -255,10 +255,13 @@ def test_a_worker_that_fails_to_start_is_not_counted(monkeypatch: pytest.MonkeyP
     assert results == [[1, 2]], "the tasks never ran"
 
 
-def test_the_default_pool_runs_only_when_it_adds_threads(no_env: pytest.MonkeyPatch) -> None:
-    """Without a setting, the pool converts only where it has more threads than torch's own
-    (torchrun's one per rank); with as many torch threads the calling thread converts. A setting
-    (the policy's, or the environment variable) is followed as given."""
+def test_the_default_pool_stands_aside_for_as_many_torch_threads(
+    no_env: pytest.MonkeyPatch,
+) -> None:
+    """Without a setting, the pool converts where torch has fewer threads than the rank's share
+    (torchrun's one per rank) or more (ranks oversubscribing the host); with exactly as many,
+    the calling thread's torch converts. A setting (the policy's, or the environment variable)
+    is followed as given."""
     threads = torch.get_num_threads()
     no_env.setattr(_workers, "available_cpus", lambda: 4)
     no_env.setattr(_workers, "_isolation_problem", lambda: None)
@@ -267,6 +270,9 @@ def test_the_default_pool_runs_only_when_it_adds_threads(no_env: pytest.MonkeyPa
         assert _workers.count() == 4
         torch.set_num_threads(4)
         assert _workers.count() == 1
+        torch.set_num_threads(8)
+        assert _workers.count() == 4
+        torch.set_num_threads(4)
         with export_placement("cpu", host_workers=4):
             assert _workers.count() == 4
         no_env.setenv(_workers.ENV, "4")
