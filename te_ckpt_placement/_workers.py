@@ -76,13 +76,24 @@ def local_world_size() -> int:
 def default_workers() -> int:
     """The pool size without a setting: ``TE_CKPT_PLACEMENT_HOST_WORKERS``, else this process's
     share of its CPUs (at least 1; 1 where a worker cannot be kept to one torch thread)."""
+    configured = _configured()
+    return _share() if configured is None else configured
+
+
+def _configured() -> int | None:
+    """``TE_CKPT_PLACEMENT_HOST_WORKERS``, checked; None where it is not set."""
     value = os.environ.get(ENV, "").strip()
-    if value:
-        try:
-            number: object = int(value)
-        except ValueError:
-            number = value
-        return check_host_workers(number, name=f"{ENV}={value!r}: host_workers") or 0
+    if not value:
+        return None
+    try:
+        number: object = int(value)
+    except ValueError:
+        number = value
+    return check_host_workers(number, name=f"{ENV}={value!r}: host_workers") or 0
+
+
+def _share() -> int:
+    """This process's share of its CPUs (1 where a worker cannot be kept to one torch thread)."""
     share = max(1, available_cpus() // local_world_size())
     return share if _isolation_problem() is None else 1
 
@@ -110,8 +121,10 @@ def count() -> int:
         placement = current_placement()
         workers = None if placement is None else placement.host_workers
     if workers is None:
-        workers = default_workers()
-        if not os.environ.get(ENV, "").strip() and workers == torch.get_num_threads():
+        workers = _configured()
+    if workers is None:
+        workers = _share()
+        if workers == torch.get_num_threads():
             # As many threads as torch's own: the calling thread's torch converts as fast
             # without the queue (on one H200 its 16 threads loaded faster than 16 workers).
             # Fewer torch threads (torchrun's one) or more (ranks oversubscribing the host's

@@ -162,9 +162,16 @@ def test_an_interrupt_cancels_pending_tasks_and_waits_for_running_ones(
         started.acquire()
         started.acquire()  # both workers are busy; 4 tasks wait in the queue
         signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)  # a Ctrl-C
-        time.sleep(0.2)
-        release.set()
 
+    wait_all = _workers._wait_all
+
+    def release_then_wait(futures: Any) -> None:
+        # The running tasks finish only once the caller has cancelled the pending ones (a fixed
+        # delay here raced the interrupt's delivery on a loaded machine).
+        release.set()
+        wait_all(futures)
+
+    monkeypatch.setattr(_workers, "_wait_all", release_then_wait)
     threading.Thread(target=interrupt, daemon=True).start()
     with pytest.raises(KeyboardInterrupt):
         _workers.run([lambda k=k: task(k) for k in range(6)], workers=2)

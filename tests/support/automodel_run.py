@@ -208,11 +208,6 @@ def resume_phase(rank: int, port: int, world: int, tmp: Path, results: Any) -> N
 
 def spawn_phase(phase: Any, world: int, tmp: Path) -> dict[Any, Any]:
     """Runs ``phase`` on ``world`` fresh ranks; returns what rank 0 put in its dict."""
-    import torch.multiprocessing as mp
+    from .distributed import spawn_collecting
 
-    from .distributed import free_port
-
-    with mp.Manager() as manager:
-        shared = manager.dict()
-        mp.spawn(phase, args=(free_port(), world, tmp, shared), nprocs=world, join=True)
-        return dict(shared)
+    return spawn_collecting(phase, world, tmp)

@@ -46,6 +46,17 @@ def spawn(worker: Callable[..., None], *args: Any, nprocs: int = WORLD) -> None:
 GPU_BACKEND = "cpu:gloo,cuda:nccl"
 
 
+def spawn_collecting(phase: Callable[..., None], world: int, *args: Any) -> dict[Any, Any]:
+    """Runs ``phase(rank, port, world, *args, results)`` on ``world`` fresh ranks; returns what
+    the ranks put in ``results`` (a managed dict)."""
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        shared = manager.dict()
+        mp.spawn(phase, args=(free_port(), world, *args, shared), nprocs=world, join=True)
+        return dict(shared)
+
+
 def init_group(
     rank: int, port: int, *, backend: str, timeout_s: float, world_size: int = WORLD
 ) -> None:

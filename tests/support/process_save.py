@@ -27,25 +27,21 @@ def _wait_for(gate: str | os.PathLike[str], timeout_s: float = 300) -> None:
         time.sleep(0.01)
 
 
-class GatedStreamingWriter(StreamingWriter):
+class _Gated:
+    """A file writer (mixed in before it) that writes once the file ``gate`` exists."""
+
+    def __init__(self, path: Path, gate: Path, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)  # type: ignore[call-arg]
+        self.gate = str(gate)
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        _wait_for(self.gate)
+        return super().write_data(plan, planner)  # type: ignore[misc]
+
+
+class GatedStreamingWriter(_Gated, StreamingWriter):
     """A StreamingWriter that writes once the file ``gate`` exists."""
 
-    def __init__(self, path: Path, gate: Path, **kwargs: Any) -> None:
-        super().__init__(path, **kwargs)
-        self.gate = str(gate)
 
-    def write_data(self, plan: Any, planner: Any) -> Any:
-        _wait_for(self.gate)
-        return super().write_data(plan, planner)
-
-
-class GatedFileSystemWriter(FileSystemWriter):
+class GatedFileSystemWriter(_Gated, FileSystemWriter):
     """torch's FileSystemWriter, writing once the file ``gate`` exists."""
-
-    def __init__(self, path: Path, gate: Path, **kwargs: Any) -> None:
-        super().__init__(path, **kwargs)
-        self.gate = str(gate)
-
-    def write_data(self, plan: Any, planner: Any) -> Any:
-        _wait_for(self.gate)
-        return super().write_data(plan, planner)
