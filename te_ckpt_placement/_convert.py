@@ -70,96 +70,31 @@ def block_elements() -> int:
     return max(1 << 20, torch.get_num_threads() << 18)
 
 
-def _blocked(convert: Convert, *, scratch: torch.dtype | None = None) -> Convert:
-    """``convert`` run block by block (``scratch``: the dtype of its one-element-per-element
-    work buffer, if it uses one), on the host workers when there are any (:mod:`._workers`).
+def _blocked(convert: Convert) -> Convert:
+    """``convert`` run block by block, on the host workers' team when there is one
+    (:mod:`._workers`; the block size then follows the team's thread count).
 
     Every conversion here is elementwise with per-tensor constants, so any split gives the same
-    bits; a worker converts its share in blocks of :data:`WORKER_BLOCK_ELEMENTS` (its own cache),
-    with its own slice of the caller's scratch.
+    bits.
     """
 
     def run(raw: torch.Tensor, out: torch.Tensor, work: Scratch) -> None:
         flat_raw, flat_out = raw.reshape(-1), out.view(-1)
-        n = flat_raw.numel()
-        parts = _workers.parts_for(n, _workers.count())
-        if parts > 1:
-            bounds = _workers.ranges(n, parts)
-            step = min(BLOCK_ELEMENTS or WORKER_BLOCK_ELEMENTS, bounds[0][1])
-            base = None if scratch is None else work.get(len(bounds) * step, scratch)
-            _workers.run(
-                [
-                    functools.partial(
-                        _convert_range,
-                        convert,
-                        flat_raw[a:b],
-                        flat_out[a:b],
-                        _Slice(None if base is None else base[i * step : (i + 1) * step]),
-                        step,
-                    )
-                    for i, (a, b) in enumerate(bounds)
-                ]
-            )
-            return
-        step = block_elements()
-        for a in range(0, n, step):
-            convert(flat_raw[a : a + step], flat_out[a : a + step], work)
+        _workers.call(_in_blocks, convert, flat_raw, flat_out, work, elements=flat_raw.numel())
 
     return run
 
 
-#: Elements per block of a worker's share (one torch thread: 1 MiB of FP32 in its cache).
-WORKER_BLOCK_ELEMENTS = 1 << 18
-
-
-class _Slice:
-    """One worker's part of the caller's scratch (:class:`Scratch`), made before the tasks run."""
-
-    def __init__(self, buffer: torch.Tensor | None) -> None:
-        self._buffer = buffer
-
-    def get(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        buffer = self._buffer
-        assert buffer is not None and buffer.dtype == dtype and numel <= buffer.numel()
-        return buffer[:numel]
-
-
-def _convert_range(
-    convert: Convert, raw: torch.Tensor, out: torch.Tensor, work: Scratch, step: int
-) -> None:
+def _in_blocks(convert: Convert, raw: torch.Tensor, out: torch.Tensor, work: Scratch) -> None:
+    step = block_elements()
     for a in range(0, raw.numel(), step):
         convert(raw[a : a + step], out[a : a + step], work)
 
 
-def _split_rows(
-    fn: Callable[[torch.Tensor, torch.Tensor], None], out: torch.Tensor, src: torch.Tensor
-) -> bool:
-    """Runs ``fn(out[a:b], src[a:b])`` over dim-0 ranges on the host workers; False: not split."""
-    if out.dim() == 0 or out.shape[0] < 2:
-        return False
-    rows = out.shape[0]
-    parts = min(rows, _workers.parts_for(out.numel(), _workers.count()))
-    if parts < 2:
-        return False
-    align = max(1, -(-1024 // max(1, out[0].numel())))  # about 1 Ki elements, in rows
-    bounds = _workers.ranges(rows, parts, align=align)
-    _workers.run([functools.partial(fn, out[a:b], src[a:b]) for a, b in bounds])
-    return True
-
-
-def _copy_into(out: torch.Tensor, src: torch.Tensor) -> None:
-    out.copy_(src)
-
-
 def copy_rows(out: torch.Tensor, src: torch.Tensor) -> None:
-    """``out.copy_(src)`` of two host tensors of one shape, on the host workers when there are any.
-
-    Split only where the bits do not depend on the kernel torch picks for a layout: the same
-    dtype, or BF16 widened to FP32 (integer shifts in every kernel).
-    """
-    alike = out.dtype == src.dtype or (src.dtype, out.dtype) == (torch.bfloat16, torch.float32)
-    if not (alike and _split_rows(_copy_into, out, src)):
-        out.copy_(src)
+    """``out.copy_(src)`` of two host tensors of one shape, on the host workers' team when there
+    is one: torch's own copy, its kernel chosen by the layouts as on any thread count."""
+    _workers.call(out.copy_, src, elements=out.numel())
 
 
 # --- exact FP32 scaling, whatever the thread's FTZ/DAZ mode -------------------------------------
@@ -317,7 +252,7 @@ def convert_fn(source: Source) -> tuple[torch.dtype, Convert]:
         scale, fp8 = fp32_value(source.scale), source.fp8_dtype
         if fp8 == torch.float8_e4m3fn:
             decode = functools.partial(dequantize_e4m3, scale=scale)
-            return torch.float32, _blocked(decode, scratch=torch.int16)
+            return torch.float32, _blocked(decode)
         if fp8 == torch.float8_e5m2:
             # TE's own CPU formula (float8_tensor_storage.py L36-42): widen, * scale_inv.
             return torch.float32, _blocked(_widen_and_scale(_SMALLEST[fp8], scale, fp8))
@@ -377,12 +312,9 @@ def bf16_by_kernel(values: torch.Tensor, vectorized: bool) -> torch.Tensor:
 
 
 def to_bf16(out: torch.Tensor, block: torch.Tensor, whole_vectorized: bool | None) -> None:
-    """Converts ``block`` into ``out`` (contiguous BF16) with the bits of the whole conversion.
-
-    On the host workers, row ranges of the block each get the bits of the whole conversion too.
-    """
-    if not _split_rows(functools.partial(_to_bf16, whole_vectorized=whole_vectorized), out, block):
-        _to_bf16(out, block, whole_vectorized)
+    """Converts ``block`` into ``out`` (contiguous BF16) with the bits of the whole conversion,
+    on the host workers' team when there is one."""
+    _workers.call(_to_bf16, out, block, whole_vectorized, elements=out.numel())
 
 
 def _to_bf16(out: torch.Tensor, block: torch.Tensor, whole_vectorized: bool | None) -> None:

@@ -25,8 +25,9 @@ VALID_CONVERSIONS = ("host", "device")
 
 _VALID_HOST_WORKERS = (
     "None (the default: TE_CKPT_PLACEMENT_HOST_WORKERS if set, else this process's share of "
-    "its CPUs), 0 or 1 (no pool: convert on the calling thread with torch's intra-op threads) "
-    "or an integer >= 2 (that many host worker threads, one torch thread each)"
+    "its CPUs), 0 or 1 (no team: convert on the calling thread with torch's intra-op threads) "
+    "or an integer >= 2 (convert on a thread of the package's own whose torch runs that many "
+    "threads)"
 )
 
 
@@ -83,9 +84,10 @@ class Placement:
             the previous state back exactly, at the price of a host copy of every live state
             the load overwrites (as much host memory as the optimizer states, copied as the
             load goes), which doubles the host memory of a load.
-        host_workers: Threads of the package's own that run the host conversions and first
-            touches of exports and loads, each with one torch intra-op thread, so they stay
-            fast when torch runs one thread per rank (torchrun's ``OMP_NUM_THREADS=1``).
+        host_workers: How many threads run the host conversions and first touches of exports
+            and loads: a thread of the package's own whose torch runs them on a team of this
+            many threads, so they stay fast when torch runs one thread per rank (torchrun's
+            ``OMP_NUM_THREADS=1``); the caller's ``torch.get_num_threads()`` is left as it is.
             ``None`` (default): ``TE_CKPT_PLACEMENT_HOST_WORKERS`` if set, else this process's
             share of its CPUs (``len(os.sched_getaffinity(0)) // LOCAL_WORLD_SIZE``, at least
             1). ``0`` or ``1``: no workers, the conversions run on the calling thread with

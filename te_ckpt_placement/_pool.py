@@ -16,7 +16,6 @@ Uses only APIs that torch 2.11 (the GPU machine's version) and 2.13 share.
 from __future__ import annotations
 
 import ctypes
-import functools
 import math
 import mmap
 import os
@@ -113,15 +112,11 @@ def empty_host(shape: torch.Size, dtype: torch.dtype, *, touch: bool = False) ->
     return out
 
 
-#: Bytes of one task of :func:`touch_pages` at the least.
-_TOUCH_TASK_BYTES = 8 << 20
-
-
 def touch_pages(t: torch.Tensor) -> None:
     """Faults in every page of the contiguous host tensor ``t`` (its values are left undefined).
 
     A first write to fresh memory costs a page fault per page, the bulk of a first export on
-    one thread; faulted in here (in parallel on the host workers, :mod:`._workers`), the
+    one thread; faulted in here (in parallel on the host workers' team, :mod:`._workers`), the
     export then writes into warm memory.
     """
     nbytes = t.numel() * t.element_size()
@@ -130,17 +125,21 @@ def touch_pages(t: torch.Tensor) -> None:
     raw = torch.empty(0, dtype=torch.uint8).set_(
         t.untyped_storage(), t.storage_offset() * t.element_size(), (nbytes,)
     )  # type: ignore[call-overload]
-    page = mmap.PAGESIZE
-    parts = max(1, min(_workers.count(), nbytes // _TOUCH_TASK_BYTES))
-    if parts < 2:
-        raw[::page].zero_()
-        return
-    bounds = _workers.ranges(nbytes, parts, align=page)
-    _workers.run([functools.partial(_zero_every, raw[a:b], page) for a, b in bounds])
+    _workers.call(_zero_every, raw, mmap.PAGESIZE, elements=t.numel())
 
 
-def _zero_every(raw: torch.Tensor, step: int) -> None:
-    raw[::step].zero_()
+#: Bytes written at the start of each page by :func:`touch_pages`: enough elements that torch
+#: splits the op over its threads by the page (32 Ki-element grains), few enough to cost nothing.
+_TOUCH_BYTES = 64
+
+
+def _zero_every(raw: torch.Tensor, page: int) -> None:
+    pages = raw.numel() // page
+    if pages:
+        raw[: pages * page].view(pages, page)[:, :_TOUCH_BYTES].zero_()
+    else:
+        raw[:1].zero_()
+    raw[-1:].zero_()  # the last page, where ``raw`` starts inside a page
 
 
 def storage_idle(storage: Any, control: object, *, shared: bool = False) -> bool:

@@ -3,7 +3,7 @@
 A first export writes into never-touched memory, and its page faults, not the copies, bound it.
 ``Placement(reuse_buffers=True)`` keeps the buffers for the next export; this makes them before
 the first one, one per state as that export will take them (:data:`._pool.EXPORTS`), faults
-them in on the host workers, starts the workers and makes each device's staging ring. The raw
+them in on the host workers, starts the workers' team and makes each device's staging ring. The raw
 snapshot's buffers are made by ``dcp.SnapshotStager.prewarm``.
 """
 
@@ -64,7 +64,7 @@ def prewarm(optimizer: Any, *, placement: Placement | None = None) -> int:
     ``state_dict_placement``; it must stream with ``reuse_buffers=True`` (``ValueError``
     otherwise). It costs the host memory of one export, held until ``release_buffers()`` (4
     bytes per element of each FP32, BF16, FP16 or FP8 state and 2 per int16 remainder), plus a
-    48 MiB pinned staging ring per device and the host worker threads.
+    48 MiB pinned staging ring per device and the host workers' threads.
     """
     placement = _placement(optimizer, placement)
     with _workers.sized(placement.host_workers) as workers:

@@ -1,22 +1,27 @@
-"""The host worker pool: the package's own threads for host conversions and first touch.
+"""The host workers: a team of the package's own threads for host conversions and first touch.
 
 torchrun sets ``OMP_NUM_THREADS=1`` on every rank of a multi-GPU job, so host conversions that
-rely on torch's intra-op threads run on one core there. This pool's size does not depend on
+rely on torch's intra-op threads run on one core there. The team's size does not depend on
 torch's thread count: by default it is this process's share of the CPUs it may run on
 (``os.sched_getaffinity(0)`` divided by ``LOCAL_WORLD_SIZE``, at least 1);
 ``TE_CKPT_PLACEMENT_HOST_WORKERS`` overrides that default and ``Placement(host_workers=...)``
-overrides both. 0 or 1 means no pool: the conversions run on the calling thread with torch's
+overrides both. 0 or 1 means no team: the conversions run on the calling thread with torch's
 intra-op threads, exactly as without this module.
 
-Workers are daemon threads, started on first use and dropped in a forked child (which starts
-its own on first use). Each runs torch with one intra-op thread: ``torch.set_num_threads`` is
-process-wide (it sets the count every thread reads), so a worker instead sets only its own
-OpenMP thread count, after torch's once-per-thread initialization has run, which would
-otherwise reset it (at::internal::lazy_init_num_threads in ATen/Parallel.h). The caller's
-``torch.get_num_threads()`` never changes. Each task runs in an empty :mod:`contextvars`
-context, so no worker sees a policy. :func:`run` waits for every task it queued: a failure is
-re-raised in the caller as it was raised, and an interrupt cancels the tasks not yet started
-and waits for the running ones, so no worker writes into a buffer after the caller returned.
+A conversion (:func:`call`) runs as one task on the package's leader thread, a daemon thread
+whose torch runs each op on an OpenMP team of that many threads: ``omp_set_num_threads`` sets
+the calling thread's team size only, so no other thread's count changes, the caller's
+``torch.get_num_threads()`` included. torch's kernels split each op over the team, one Python
+call per op: threads of our own each calling torch on a slice were bound by the GIL on the
+multi-op FP16 and FP8 conversions (docs/performance-log.md section 12). The team belongs to the
+leader, never to the calling thread, because libgomp's team does not survive ``fork``: a forked
+child hangs in its first parallel op on the thread that forked, when that thread had a team.
+
+The leader starts on first use and is dropped in a forked child (which starts its own). Each
+task runs in an empty :mod:`contextvars` context (no policy) under the caller's inference and
+grad modes. :func:`call` waits for its task: a failure is re-raised in the caller as it was
+raised, and an interrupt cancels a task not yet started and waits for a running one, so nothing
+writes into a buffer after the caller returned.
 """
 
 from __future__ import annotations
@@ -28,20 +33,23 @@ import functools
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import wait as _wait
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from ._policy import check_host_workers, current_placement
 
-#: Overrides the default pool size (this process's share of its CPUs); 0 or 1: no pool.
+#: Overrides the default team size (this process's share of its CPUs); 0 or 1: no team.
 ENV = "TE_CKPT_PLACEMENT_HOST_WORKERS"
 
-#: The fewest elements a task converts: below this the queue's overhead outweighs the work.
-MIN_TASK_ELEMENTS = 1 << 18
+#: The fewest elements a conversion hands to the team: below this the hand-over costs more than
+#: the work (about 30 us against 0.1 ms for 256 Ki elements on one thread).
+MIN_ELEMENTS = 1 << 18
+
+_T = TypeVar("_T")
 
 
 def available_cpus() -> int:
@@ -74,8 +82,8 @@ def local_world_size() -> int:
 
 
 def default_workers() -> int:
-    """The pool size without a setting: ``TE_CKPT_PLACEMENT_HOST_WORKERS``, else this process's
-    share of its CPUs (at least 1; 1 where a worker cannot be kept to one torch thread)."""
+    """The team size without a setting: ``TE_CKPT_PLACEMENT_HOST_WORKERS``, else this process's
+    share of its CPUs (at least 1; 1 where the team's size cannot be set)."""
     configured = _configured()
     return _share() if configured is None else configured
 
@@ -93,9 +101,9 @@ def _configured() -> int | None:
 
 
 def _share() -> int:
-    """This process's share of its CPUs (1 where a worker cannot be kept to one torch thread)."""
+    """This process's share of its CPUs (1 where the team's size cannot be set)."""
     share = max(1, available_cpus() // local_world_size())
-    return share if _isolation_problem() is None else 1
+    return share if _team_problem() is None else 1
 
 
 # The size set for the running operation by the TE hooks (an optimizer's own policy, followed
@@ -103,16 +111,16 @@ def _share() -> int:
 _REQUESTED: contextvars.ContextVar[int | None] = contextvars.ContextVar(
     "te_ckpt_placement_host_workers", default=None
 )
-_local = threading.local()  # .worker: True on the pool's own threads
+_local = threading.local()  # .worker: True on the leader thread
 
 
 def count() -> int:
-    """How many workers the calling thread's host conversions use now (1: none).
+    """How many threads the calling thread's host conversions use now (1: no team).
 
     The operation's setting, else the active policy's, else :data:`ENV`'s, else this process's
     share of its CPUs, unless that equals torch's intra-op thread count
-    (``torch.get_num_threads()``; then 1: torch's own threads convert). Inside a worker
-    it is 1: a task never queues tasks of its own.
+    (``torch.get_num_threads()``; then 1: torch's own threads convert, with no hand-over).
+    On the leader it is 1: a task never queues tasks of its own.
     """
     if getattr(_local, "worker", False):
         return 1
@@ -125,25 +133,25 @@ def count() -> int:
     if workers is None:
         workers = _share()
         if workers == torch.get_num_threads():
-            # As many threads as torch's own: the calling thread's torch converts as fast
-            # without the queue (on one H200 its 16 threads loaded faster than 16 workers).
+            # As many threads as torch's own: the calling thread's torch converts the same way.
             # Fewer torch threads (torchrun's one) or more (ranks oversubscribing the host's
-            # CPUs) take the pool, which keeps this rank to its share.
+            # CPUs) take the team, which keeps this rank to its share.
             return 1
     if workers > 1:
-        problem = _isolation_problem()
+        problem = _team_problem()
         if problem is not None:
             raise RuntimeError(
-                f"host_workers={workers} needs each worker to run torch on one thread, which "
-                f"cannot be set here: {problem}. Use host_workers=0 (convert on the calling "
-                f"thread with torch's own threads), e.g. {ENV}=0."
+                f"host_workers={workers} needs a thread of the package's own whose torch runs "
+                f"on {workers} threads, which cannot be set here: {problem}. Use "
+                f"host_workers=0 (convert on the calling thread with torch's own threads), "
+                f"e.g. {ENV}=0."
             )
     return max(1, workers)
 
 
 @contextlib.contextmanager
 def sized(workers: int | None) -> Iterator[int]:
-    """Runs the block's host conversions on ``workers`` workers (None: as :func:`count` says).
+    """Runs the block's host conversions on ``workers`` threads (None: as :func:`count` says).
 
     The size is resolved, and so checked, on entry: a bad setting fails before any work.
     """
@@ -154,7 +162,7 @@ def sized(workers: int | None) -> Iterator[int]:
         _REQUESTED.reset(token)
 
 
-# --- one intra-op thread per worker ---------------------------------------------------------
+# --- the team's size, set on the leader alone -------------------------------------------------
 
 
 @functools.cache
@@ -181,7 +189,7 @@ def _gomp() -> Any:
     return lib
 
 
-def _isolation_problem() -> str | None:
+def _team_problem() -> str | None:
     gomp = _gomp()
     if isinstance(gomp, str):
         return gomp
@@ -193,8 +201,9 @@ _forked = False  # set in a forked child (os.register_at_fork below)
 
 @functools.cache
 def _fork_problem() -> str | None:
-    """Why this forked process cannot start worker threads, or None: torch's OpenMP pool may be
-    unusable from new threads after a fork (ParallelOpenMP.cpp's "Invalid thread pool")."""
+    """Why this forked process cannot run torch on a new thread, or None: torch's first op on a
+    new thread after a fork may fail ("Invalid thread pool", at::set_num_threads finding the
+    parent's pthreadpool gone)."""
     errors: list[str] = []
 
     def probe() -> None:
@@ -211,30 +220,41 @@ def _fork_problem() -> str | None:
     return f"in this forked process torch cannot run ops on new threads ({errors[0]})"
 
 
-def _one_thread() -> None:
-    """Makes torch run this thread's ops on this thread alone, leaving other threads' counts.
+def _first_op() -> None:
+    """Runs this thread's torch initialization now (a thread's first ``at::parallel_for`` sets
+    its OpenMP count from torch's process-wide one, which would undo :func:`_team`'s); softmax
+    over a row always reaches it."""
+    torch.softmax(torch.zeros(1, 2), -1)
 
-    A thread's first ``at::parallel_for`` sets its OpenMP count from torch's process-wide one;
-    softmax over a row always reaches it, so that happens here, before this thread's own count
-    is set to 1 (``omp_set_num_threads`` sets the calling thread's count only).
-    """
+
+def _team(size: int) -> None:
+    """Makes torch run this thread's ops on ``size`` threads, leaving other threads' counts
+    (``omp_set_num_threads`` sets the calling thread's count only)."""
     gomp = _gomp()
     assert not isinstance(gomp, str), gomp
-    torch.softmax(torch.zeros(1, 2), -1)
-    gomp.omp_set_num_threads(1)
-    if gomp.omp_get_max_threads() != 1:  # pragma: no cover - an OpenMP runtime that ignores it
-        raise RuntimeError("a host worker could not set its OpenMP thread count to 1")
+    gomp.omp_set_num_threads(size)
+    if gomp.omp_get_max_threads() != size:  # pragma: no cover - a runtime that ignores it
+        raise RuntimeError(f"the host workers' thread could not set its OpenMP count to {size}")
 
 
-# --- the pool ---------------------------------------------------------------------------------
+#: Elements of the op that makes the team's threads exist (above torch's 32 Ki-element grain,
+#: so that the op runs in a parallel region).
+_WARM_ELEMENTS = 1 << 16
 
-Task = tuple[Future[Any], Callable[[], Any]]
+
+def _warm(size: int) -> None:
+    torch.empty(_WARM_ELEMENTS * size, dtype=torch.uint8).fill_(0)
+
+
+# --- the leader -------------------------------------------------------------------------------
+
+Task = tuple[Future[Any], Callable[[], Any], int]
 
 
 def _loop(tasks: queue.SimpleQueue[Task | None], ready: Future[None]) -> None:
     _local.worker = True
     try:
-        _one_thread()
+        _first_op()
     except BaseException as exc:
         ready.set_exception(exc)
         return
@@ -243,13 +263,14 @@ def _loop(tasks: queue.SimpleQueue[Task | None], ready: Future[None]) -> None:
         item = tasks.get()
         if item is None:
             return
-        future, fn = item
+        future, fn, size = item
         del item
         if not future.set_running_or_notify_cancel():  # cancelled by an interrupted caller
             continue
         # The task is dropped before its future completes: the caller may then reuse whatever
         # it referenced (a kept buffer is reused only when nothing else references it).
         try:
+            _team(size)
             result = contextvars.Context().run(fn)  # no policy, whatever the caller's
         except BaseException as exc:
             del fn
@@ -261,49 +282,33 @@ def _loop(tasks: queue.SimpleQueue[Task | None], ready: Future[None]) -> None:
         del future
 
 
-class _Pool:
-    """Daemon threads taking tasks from one queue; grown to the largest size asked for."""
+class _Leader:
+    """The daemon thread that runs the tasks, one at a time, each on its OpenMP team."""
 
     def __init__(self) -> None:
         self.tasks: queue.SimpleQueue[Task | None] = queue.SimpleQueue()
-        self.threads: list[threading.Thread] = []
+        ready: Future[None] = Future()
+        self.thread = threading.Thread(
+            target=_loop, args=(self.tasks, ready), name="te_ckpt_placement-host", daemon=True
+        )
+        self.thread.start()
+        ready.result()  # raises where the thread could not start torch
+        self.size = 0  # the largest team it ran
 
-    def grow(self, workers: int) -> None:
-        started = []
-        while len(self.threads) < workers:
-            ready: Future[None] = Future()
-            thread = threading.Thread(
-                target=_loop,
-                args=(self.tasks, ready),
-                name=f"te_ckpt_placement-host-{len(self.threads)}",
-                daemon=True,
-            )
-            thread.start()
-            self.threads.append(thread)
-            started.append((thread, ready))
-        failed = [(thread, ready) for thread, ready in started if ready.exception() is not None]
-        if failed:
-            # A worker that cannot run on one thread has ended: it is not counted, so a later
-            # call starts a new one instead of queueing tasks nothing takes.
-            dead = {thread for thread, _ in failed}
-            self.threads = [t for t in self.threads if t not in dead]
-            failed[0][1].result()
-
-    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
-        future: Future[Any] = Future()
-        self.tasks.put((future, fn))
-        return future
+    def submit(self, future: Future[Any], fn: Callable[[], Any], size: int) -> None:
+        self.size = max(self.size, size)
+        self.tasks.put((future, fn, size))
 
 
-_pool: _Pool | None = None
-_pool_lock = threading.Lock()
+_leader: _Leader | None = None
+_leader_lock = threading.Lock()
 
 
 def _forget_after_fork() -> None:
-    # The child has none of the parent's threads: it starts its own pool on first use, where
+    # The child has none of the parent's threads: it starts its own leader on first use, where
     # torch can run ops on new threads there (_fork_problem).
-    global _pool, _pool_lock, _forked
-    _pool, _pool_lock, _forked = None, threading.Lock(), True
+    global _leader, _leader_lock, _forked
+    _leader, _leader_lock, _forked = None, threading.Lock(), True
     _fork_problem.cache_clear()
 
 
@@ -311,72 +316,68 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_after_fork)
 
 
+def _get_leader() -> _Leader:
+    global _leader
+    with _leader_lock:
+        if _leader is None:
+            _leader = _Leader()  # not kept where it failed to start: the next call tries again
+        return _leader
+
+
 def start(workers: int) -> None:
-    """Starts the pool's threads now (at least ``workers`` of them), not on first use."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = _Pool()
-        _pool.grow(workers)
+    """Starts the leader and its team of ``workers`` threads now, not on first use."""
+    if workers > 1:
+        _run(_warm, (workers,), workers)
 
 
 def threads() -> int:
-    """How many worker threads this process runs now."""
-    pool = _pool
-    return 0 if pool is None else len(pool.threads)
+    """How many threads the largest team this process ran had (0: no leader)."""
+    leader = _leader
+    return 0 if leader is None else leader.size
 
 
-def run(tasks: Sequence[Callable[[], Any]], *, workers: int | None = None) -> list[Any]:
-    """Runs ``tasks`` on the pool and returns their results, in order, once all have finished.
+def call(fn: Callable[..., _T], *args: Any, elements: int) -> _T:
+    """``fn(*args)``, on the team where :func:`count` is above 1 and ``elements`` (the work's
+    size) is at least :data:`MIN_ELEMENTS`, else on the calling thread.
 
-    The pool has at least ``workers`` threads (default: one per task) when they start.
-
-    A task's exception is re-raised here (the first in task order), after the tasks not yet
-    started were cancelled and the running ones finished; so is an interrupt of the caller.
+    On the team, the task's exception is re-raised here as it was raised; an interrupt of the
+    caller cancels the task if it has not started and otherwise waits for it, then propagates.
     """
-    start(len(tasks) if workers is None else workers)
-    pool = _pool
-    assert pool is not None
-    # The caller's autograd modes go with each task (an export under torch.inference_mode()
+    size = count() if elements >= MIN_ELEMENTS else 1
+    if size < 2:
+        return fn(*args)
+    return _run(fn, args, size)  # type: ignore[no-any-return]
+
+
+def _run(fn: Callable[..., Any], args: tuple[Any, ...], size: int) -> Any:
+    leader = _get_leader()
+    # The caller's autograd modes go with the task (an export under torch.inference_mode()
     # writes into inference tensors, which only inference mode may update in place).
     inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
-    futures: list[Future[Any]] = []
+    # Made before it is queued: an interrupt at any point finds it and cancels or waits for it.
+    future: Future[Any] = Future()
     try:
-        for task in tasks:
-            futures.append(pool.submit(functools.partial(_in_modes, task, inference, grad)))
-        return [future.result() for future in futures]
+        leader.submit(future, functools.partial(_in_modes, fn, args, inference, grad), size)
+        return future.result()
     except BaseException:
-        for future in futures:
-            future.cancel()
-        _wait_all(futures)
+        future.cancel()
+        _wait_done(future)
         raise
 
 
-def _in_modes(task: Callable[[], Any], inference: bool, grad: bool) -> Any:
+def _in_modes(fn: Callable[..., Any], args: tuple[Any, ...], inference: bool, grad: bool) -> Any:
     with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-        return task()
+        return fn(*args)
 
 
-def _wait_all(futures: list[Future[Any]]) -> None:
-    """Waits until every future is done or cancelled, also through a second interrupt."""
+def _wait_done(future: Future[Any]) -> None:
+    """Waits until ``future`` is done or cancelled, also through a second interrupt."""
     interrupted: BaseException | None = None
     while True:
         try:
-            _wait(futures)
+            _wait([future])
             break
-        except BaseException as exc:  # keep waiting: a worker may still write a buffer
+        except BaseException as exc:  # keep waiting: the task may still write a buffer
             interrupted = exc
     if interrupted is not None:
         raise interrupted
-
-
-def ranges(n: int, parts: int, *, align: int = 1024) -> list[tuple[int, int]]:
-    """``parts`` near-equal ranges covering ``range(n)`` in order, inner bounds on ``align``."""
-    step = -(-n // parts)
-    step = -(-step // align) * align
-    return [(a, min(a + step, n)) for a in range(0, n, step)]
-
-
-def parts_for(n: int, workers: int) -> int:
-    """How many tasks ``n`` elements are split into on ``workers`` workers (1: not split)."""
-    return max(1, min(workers, n // MIN_TASK_ELEMENTS))

@@ -287,21 +287,19 @@ def test_the_adapters_host_workers_reach_the_writer(
     pickled snapshot's conversions too (the writer process), not the default pool."""
     from te_ckpt_placement import Placement, _workers
 
-    from .support.workers import small_pool
+    from .support.workers import small_team
 
     monkeypatch.setenv(_workers.ENV, "2")  # the default, whatever torch's thread count
     case = plain_case(FP16, "fp32", seed=21)
     placement = Placement(device="cpu", host_workers=host_workers)
     state = PlacedOptimizerState(case.model, case.opt, save="streaming", placement=placement)
     calls: list[int] = []
-    real_run = _workers.run
-    monkeypatch.setattr(
-        _workers, "run", lambda tasks, **kw: calls.append(1) or real_run(tasks, **kw)
-    )
+    real_run = _workers._run  # the team's path
+    monkeypatch.setattr(_workers, "_run", lambda *args: calls.append(1) or real_run(*args))
     lazies = [local(v) for v in state.state_dict().values() if is_lazy(v)]
     staged = SnapshotStager(pin_memory=False).stage({"optim": state.state_dict()})
     received = [forking_round_trip(s) for s in staged_states(staged)]
-    with small_pool(2, task=8, block=8):
+    with small_team(2, elements=8, block=8):
         for lazy in (*lazies, *received):
             lazy.produce()
     assert bool(calls) is pooled, calls

@@ -20,7 +20,7 @@ from te_ckpt_placement._export import StateSource, materialize
 from .support import denormals
 from .support.helpers import exported_tensors
 from .support.standin import make_optimizer, train
-from .support.workers import small_pool
+from .support.workers import small_team
 
 pytestmark = pytest.mark.usefixtures("hooked_standin")
 
@@ -155,15 +155,18 @@ def test_the_reference_is_ieee_fp32() -> None:
 
 @pytest.fixture(params=denormals.MODES)
 def flush_mode(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Flush-denormal on in the calling thread, in the intra-op workers, or in both."""
+    """Flush-denormal on in the calling thread, in the intra-op workers, or in both (the host
+    workers' team counts as workers: it is sized first, so that it is flushed too)."""
+    if "host_workers" in request.fixturenames:
+        request.getfixturevalue("host_workers")
     with denormals.flushing(request.param):
         yield request.param
 
 
 @pytest.fixture(params=[0, 3], ids=["calling_thread", "host_workers"])
 def host_workers(request: pytest.FixtureRequest) -> Iterator[int]:
-    """Conversions on the calling thread (no pool) or split over 3 host workers."""
-    with small_pool(request.param) as used:
+    """Conversions on the calling thread (no team) or on a team of 3 host workers."""
+    with small_team(request.param) as used:
         yield used
 
 
@@ -350,9 +353,9 @@ def test_host_workers_give_the_calling_threads_bits(kind: str, numel: int) -> No
         seed=numel,
     )
     stored = stored.view(_STORED[kind])
-    with small_pool(0):
+    with small_team(0):
         off = materialize(SOURCES[kind](stored))
-    with small_pool(3, task=500, block=129):
+    with small_team(3, elements=500, block=129):
         on = materialize(SOURCES[kind](stored))
     assert on.dtype == off.dtype and on.shape == off.shape
     assert torch.equal(on.view(torch.uint8), off.view(torch.uint8)), kind

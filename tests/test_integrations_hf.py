@@ -425,7 +425,7 @@ def test_resume_converts_on_the_ranks_share_of_host_workers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cls: type
 ) -> None:
     # Every rank of the host converts its checkpoint at once. The placed resume's conversions
-    # run on the rank's share of host workers (one torch thread each); torch's own thread count
+    # run on the rank's share of host workers (the package's team); torch's own thread count
     # is left as it is (it used to be capped process-wide for the resume).
     from te_ckpt_placement import _workers
 

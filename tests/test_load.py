@@ -434,9 +434,9 @@ def test_chunked_bf16_conversion_equals_whole_conversion(
     split by rows over host workers."""
     from te_ckpt_placement import _convert, _tensors
 
-    from .support.workers import small_pool
+    from .support.workers import small_team
 
-    with small_pool(workers, task=20):
+    with small_team(workers, elements=20):
         gen = torch.Generator().manual_seed(3)
         for shape in [(37, 29), (300,), (5, 1, 41), (1, 333), (2, 3, 4, 25)]:
             values = with_special_values(

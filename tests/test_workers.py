@@ -1,4 +1,4 @@
-"""The host worker pool: sizing, settings, thread isolation, failures, interrupts and fork."""
+"""The host workers' team: sizing, settings, thread isolation, failures, interrupts and fork."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ import torch
 from te_ckpt_placement import Placement, _convert, _workers, current_placement, export_placement
 from te_ckpt_placement._export import StateSource, materialize
 
+from .support import denormals
 from .support.helpers import assert_bit_equal
-from .support.workers import small_pool
+from .support.workers import small_team
 
 
 @pytest.fixture
@@ -87,47 +88,61 @@ def test_placement_refuses_a_bad_host_workers(bad: Any) -> None:
     assert Placement(host_workers=4).host_workers == 4
 
 
-def test_workers_run_one_torch_thread_and_leave_the_callers_count() -> None:
+def test_the_team_runs_torch_on_its_size_and_leaves_every_other_threads_count() -> None:
     gomp = _workers._gomp()
     if isinstance(gomp, str):
         pytest.skip(gomp)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        seen = _workers.run([gomp.omp_get_max_threads for _ in range(3)])
-        assert seen == [1, 1, 1]
+        assert _workers._run(torch.get_num_threads, (), 3) == 3
+        # The OpenMP team the leader's ops run on has that many threads.
+        members: list[int] = []
+        _workers._run(denormals._on_every_thread, (members.append,), 3)
+        assert sorted(members) == [0, 1, 2]
         assert torch.get_num_threads() == 2  # the caller's count, process-wide, unchanged
         assert gomp.omp_get_max_threads() == 2  # and the caller's own OpenMP count
-        # Through a conversion on the pool too.
-        with small_pool(3):
+        other: list[int] = []
+        thread = threading.Thread(target=lambda: other.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        assert other == [2]  # a new thread takes torch's process-wide count, not the team's
+        # Through a conversion on the team too.
+        with small_team(3):
             materialize(StateSource(kind="upcast", data=torch.ones(10_000, dtype=torch.bfloat16)))
         assert torch.get_num_threads() == 2 and gomp.omp_get_max_threads() == 2
     finally:
         torch.set_num_threads(before)
 
 
-def test_workers_see_no_policy() -> None:
+def test_the_team_sees_no_policy() -> None:
     with export_placement("cpu", reuse_buffers=True):
         assert current_placement() is not None
-        assert _workers.run([current_placement, current_placement]) == [None, None]
-        assert _workers.run([_workers.count]) == [1]  # a task never queues tasks
+        assert _workers._run(current_placement, (), 2) is None
+        assert _workers._run(_workers.count, (), 2) == 1  # a task never queues tasks
 
 
-def test_a_failing_task_raises_in_the_caller_after_the_others_finish() -> None:
-    done: list[int] = []
-    error = ValueError("boom in a worker")
+def test_small_work_and_no_team_run_on_the_calling_thread() -> None:
+    def where() -> int:
+        return threading.get_ident()
+
+    with small_team(2, elements=100):
+        assert _workers.call(where, elements=100) != threading.get_ident()
+        assert _workers.call(where, elements=99) == threading.get_ident()
+    with small_team(0, elements=100):
+        assert _workers.call(where, elements=10**9) == threading.get_ident()
+
+
+def test_a_failing_task_raises_in_the_caller_as_it_was_raised() -> None:
+    error = ValueError("boom on the team")
 
     def fails() -> None:
         raise error
 
-    def slow(k: int) -> None:
-        time.sleep(0.05)
-        done.append(k)
-
-    with pytest.raises(ValueError, match="boom in a worker") as caught:
-        _workers.run([lambda: slow(0), fails, lambda: slow(2)])
+    with pytest.raises(ValueError, match="boom on the team") as caught:
+        _workers._run(fails, (), 2)
     assert caught.value is error
-    assert sorted(done) == [0, 2]  # nothing still runs once the caller has the error
+    assert _workers._run(lambda: 7, (), 2) == 7  # the leader goes on
 
 
 def test_a_failing_block_raises_its_own_error_from_a_conversion() -> None:
@@ -139,53 +154,91 @@ def test_a_failing_block_raises_its_own_error_from_a_conversion() -> None:
             raise RuntimeError("injected block failure")
         out.copy_(raw)
 
-    with small_pool(2), pytest.raises(RuntimeError, match="injected block failure"):
+    with small_team(2), pytest.raises(RuntimeError, match="injected block failure"):
         _convert._blocked(convert)(torch.ones(5000), torch.empty(5000), None)  # type: ignore[arg-type]
+    assert len(calls) == 3
 
 
-def test_an_interrupt_cancels_pending_tasks_and_waits_for_running_ones(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(_workers, "_pool", None)  # a pool of exactly 2 threads
-    _workers.start(2)
-    release, started = threading.Event(), threading.Semaphore(0)
-    ran: list[int] = []
-    finished: list[int] = []
+def test_callers_on_several_threads_each_get_their_own_result() -> None:
+    results: dict[int, int] = {}
 
-    def task(k: int) -> None:
-        ran.append(k)
-        started.release()
-        release.wait(5)
-        finished.append(k)
+    def caller(k: int) -> None:
+        results[k] = _workers._run(lambda: (time.sleep(0.01), k * k)[1], (), 2)
 
+    callers = [threading.Thread(target=caller, args=(k,)) for k in range(6)]
+    for thread in callers:
+        thread.start()
+    for thread in callers:
+        thread.join(10)
+    assert results == {k: k * k for k in range(6)}
+
+
+def _interrupt_main_once(started: threading.Semaphore) -> None:
     def interrupt() -> None:
         started.acquire()
-        started.acquire()  # both workers are busy; 4 tasks wait in the queue
         signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)  # a Ctrl-C
 
-    wait_all = _workers._wait_all
-
-    def release_then_wait(futures: Any) -> None:
-        # The running tasks finish only once the caller has cancelled the pending ones (a fixed
-        # delay here raced the interrupt's delivery on a loaded machine).
-        release.set()
-        wait_all(futures)
-
-    monkeypatch.setattr(_workers, "_wait_all", release_then_wait)
     threading.Thread(target=interrupt, daemon=True).start()
+
+
+def test_an_interrupt_cancels_a_task_that_has_not_started(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_workers, "_leader", None)  # a leader of this test's own
+    release, busy, queued = threading.Event(), threading.Event(), threading.Semaphore(0)
+    ran: list[str] = []
+
+    def occupy() -> None:  # another caller's task, running while ours waits in the queue
+        busy.set()
+        release.wait(5)
+
+    other = threading.Thread(target=lambda: _workers._run(occupy, (), 2))
+    other.start()
+    assert busy.wait(5)
+    submit = _workers._Leader.submit
+
+    def submitted(self: Any, *args: Any) -> None:
+        submit(self, *args)
+        queued.release()
+
+    monkeypatch.setattr(_workers._Leader, "submit", submitted)
+    _interrupt_main_once(queued)
     with pytest.raises(KeyboardInterrupt):
-        _workers.run([lambda k=k: task(k) for k in range(6)], workers=2)
-    assert sorted(finished) == sorted(ran) and len(ran) == 2  # none writes after the return
-    time.sleep(0.1)
-    assert len(ran) == 2  # the pending ones never start
+        _workers._run(lambda: ran.append("ours"), (), 2)
     release.set()
+    other.join(5)
+    assert _workers._run(lambda: "next", (), 2) == "next"  # ours was skipped, not run
+    assert ran == []
 
 
-def test_a_forked_child_starts_its_own_pool_or_says_why_not(tmp_path: Any) -> None:
-    """A forked child has none of the parent's workers. It starts its own, unless torch cannot
-    run ops on new threads there (its OpenMP pool after a fork: "Invalid thread pool"); then a
-    setting of more than 1 is refused naming host_workers=0, and the default converts on the
-    calling thread."""
+def test_an_interrupt_waits_for_a_running_task(monkeypatch: pytest.MonkeyPatch) -> None:
+    release, started = threading.Event(), threading.Semaphore(0)
+    finished: list[int] = []
+
+    def task() -> None:
+        started.release()
+        release.wait(5)
+        finished.append(1)
+
+    wait_done = _workers._wait_done
+
+    def release_then_wait(future: Any) -> None:
+        # The task finishes only once the caller has been interrupted (a fixed delay here would
+        # race the interrupt's delivery on a loaded machine).
+        release.set()
+        wait_done(future)
+
+    monkeypatch.setattr(_workers, "_wait_done", release_then_wait)
+    _interrupt_main_once(started)
+    with pytest.raises(KeyboardInterrupt):
+        _workers._run(task, (), 2)
+    assert finished == [1]  # nothing writes after the caller returned
+
+
+def test_a_forked_child_starts_its_own_team_or_says_why_not(tmp_path: Any) -> None:
+    """A forked child has none of the parent's threads. It starts its own leader, unless torch
+    cannot run ops on new threads there ("Invalid thread pool"); then a setting of more than 1
+    is refused naming host_workers=0, and the default converts on the calling thread."""
     _workers.start(2)
     assert _workers.threads() >= 2
     log = tmp_path / "child.txt"
@@ -194,14 +247,14 @@ def test_a_forked_child_starts_its_own_pool_or_says_why_not(tmp_path: Any) -> No
     if pid == 0:  # the child: none of the parent's threads
         code = 1
         try:
-            assert _workers.threads() == 0, f"the child inherited {_workers.threads()} workers"
+            assert _workers.threads() == 0, f"the child inherited a team of {_workers.threads()}"
             try:
-                with small_pool(2):
+                with small_team(2):
                     out = materialize(StateSource(kind="copy", data=expected))
                 assert _workers.threads() == 2 and torch.equal(out, expected)
             except RuntimeError as exc:
                 assert "forked process" in str(exc) and "host_workers=0" in str(exc), exc
-                _workers.MIN_TASK_ELEMENTS = 1000  # so the default would split 9000 elements
+                _workers.MIN_ELEMENTS = 1000  # so the default would take 9000 elements
                 out = materialize(StateSource(kind="copy", data=expected))
                 assert _workers.threads() == 0 and torch.equal(out, expected)
             code = 0
@@ -216,62 +269,90 @@ def test_a_forked_child_starts_its_own_pool_or_says_why_not(tmp_path: Any) -> No
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, (status, why)
 
 
+def test_a_fork_after_a_conversion_leaves_the_child_a_working_torch(tmp_path: Any) -> None:
+    """The team is the leader's, never the calling thread's: a child forked by a thread whose
+    own torch ran an OpenMP team hangs in its first parallel op (libgomp), so a conversion on
+    the team must leave the forking thread without one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with small_team(2):
+            materialize(StateSource(kind="upcast", data=torch.ones(50_000, dtype=torch.bfloat16)))
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                torch.set_num_threads(2)
+                code = 0 if float((torch.ones(1 << 20) * 2).sum()) == 2 * (1 << 20) else 1
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung in its first parallel op")
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_zero_workers_keeps_the_calling_thread_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    def refuse(tasks: Any) -> Any:
-        raise AssertionError("the pool was used")
+    def refuse(*args: Any) -> Any:
+        raise AssertionError("the team was used")
 
     source = StateSource(kind="scaled", data=torch.randn(9000).half(), scale=torch.tensor([0.5]))
-    with small_pool(2):
+    with small_team(2):
         on = materialize(source)
-    monkeypatch.setattr(_workers, "run", refuse)
+    monkeypatch.setattr(_workers, "_run", refuse)
     for off in (0, 1):
-        with small_pool(off):
+        with small_team(off):
             assert_bit_equal(materialize(source), on)
 
 
 @pytest.mark.parametrize(
     "kind, dtype", [("upcast", torch.bfloat16), ("copy", torch.float32), ("copy", torch.int16)]
 )
-def test_an_export_under_inference_mode_runs_on_the_workers(kind: str, dtype: torch.dtype) -> None:
+def test_an_export_under_inference_mode_runs_on_the_team(kind: str, dtype: torch.dtype) -> None:
     """Lightning validates (and saves from ``on_validation_end``) under ``torch.inference_mode``:
-    the workers write the export's inference tensors under the caller's mode."""
+    the team writes the export's inference tensors under the caller's mode."""
     data = (torch.arange(5000) % 251).to(dtype)
     expected = materialize(StateSource(kind=kind, data=data))
-    with small_pool(2), torch.inference_mode(), export_placement("cpu"):
+    with small_team(2), torch.inference_mode(), export_placement("cpu"):
         out = materialize(StateSource(kind=kind, data=data))
         assert out.is_inference()
     assert_bit_equal(out, expected)
 
 
-def test_a_worker_that_fails_to_start_is_not_counted(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_workers, "_pool", None)
-    one_thread = _workers._one_thread
+def test_a_leader_that_fails_to_start_is_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_workers, "_leader", None)
+    first_op = _workers._first_op
 
     def refuse() -> None:
         raise RuntimeError("injected start failure")
 
-    monkeypatch.setattr(_workers, "_one_thread", refuse)
+    monkeypatch.setattr(_workers, "_first_op", refuse)
     with pytest.raises(RuntimeError, match="injected start failure"):
-        _workers.run([lambda: 1, lambda: 2])
-    assert _workers.threads() == 0
-    monkeypatch.setattr(_workers, "_one_thread", one_thread)
-    results: list[Any] = []  # the same pool starts new workers (a dead one would take nothing)
-    runner = threading.Thread(target=lambda: results.append(_workers.run([lambda: 1, lambda: 2])))
-    runner.start()
-    runner.join(10)
-    assert results == [[1, 2]], "the tasks never ran"
+        _workers._run(lambda: 1, (), 2)
+    assert _workers.threads() == 0 and _workers._leader is None
+    monkeypatch.setattr(_workers, "_first_op", first_op)
+    assert _workers._run(lambda: 1, (), 2) == 1  # the next call starts a new one
 
 
-def test_the_default_pool_stands_aside_for_as_many_torch_threads(
+def test_the_default_team_stands_aside_for_as_many_torch_threads(
     no_env: pytest.MonkeyPatch,
 ) -> None:
-    """Without a setting, the pool converts where torch has fewer threads than the rank's share
+    """Without a setting, the team converts where torch has fewer threads than the rank's share
     (torchrun's one per rank) or more (ranks oversubscribing the host); with exactly as many,
     the calling thread's torch converts. A setting (the policy's, or the environment variable)
     is followed as given."""
     threads = torch.get_num_threads()
     no_env.setattr(_workers, "available_cpus", lambda: 4)
-    no_env.setattr(_workers, "_isolation_problem", lambda: None)
+    no_env.setattr(_workers, "_team_problem", lambda: None)
     try:
         torch.set_num_threads(1)
         assert _workers.count() == 4

@@ -7,6 +7,11 @@ callback once on every thread of that pool through the OpenMP runtime torch itse
 mode with ``torch.set_flush_denormal`` and probes it. No compiler is needed, so this runs on any
 Linux x86 machine where torch uses libgomp (torch's CPU and CUDA wheels).
 
+The package's host workers convert on a team of their own (a thread of the package whose torch
+runs on that many OpenMP threads, ``te_ckpt_placement._workers``): where conversions go there
+(``_workers.count() > 1`` when :func:`flushing` is entered), the mode is set on every thread of
+that team too, all of them workers.
+
 ``GOMP_parallel(fn, data, num_threads, flags)`` has been libgomp's entry point for
 ``#pragma omp parallel`` since GCC 4.9. Its team is the pool that torch's ``at::parallel_for``
 reuses from the same calling thread, so the threads reached are the ones torch converts on;
@@ -24,6 +29,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
+
+from te_ckpt_placement import _workers
 
 #: A product of two FP32 normals that is an FP32 subnormal (2**-140): 0 under FTZ.
 _FTZ_A, _FTZ_B = 2.0**-100, 2.0**-40
@@ -111,6 +118,14 @@ def set_modes(*, calling: bool, workers: bool) -> dict[int, tuple[bool, bool]]:
     return seen
 
 
+def _set_team(on: bool, size: int) -> None:
+    """On the host workers' leader: the mode on every thread of its team of ``size``, checked."""
+    seen = set_modes(calling=on, workers=on)
+    assert sorted(seen) == list(range(size)), seen
+    assert all(state == (on, on) for state in seen.values()), seen
+    assert flushed_fraction() == (1.0 if on else 0.0)
+
+
 def flushed_fraction() -> float:
     """The share of a parallel torch multiply's subnormal results that came out as 0."""
     n = max(1, torch.get_num_threads()) << 17  # many of torch's 32 Ki-element grains per thread
@@ -136,7 +151,10 @@ def flushing(mode: str) -> Iterator[None]:
         pytest.skip(reason)
     threads = torch.get_num_threads()
     torch.set_num_threads(max(2, threads))  # at least one worker besides the calling thread
+    team = _workers.count()
     try:
+        if mode != "calling" and team > 1:
+            _workers._run(_set_team, (True, team), team)
         if mode == "calling":
             torch.set_flush_denormal(True)
             assert probe() == (True, True)
@@ -155,6 +173,8 @@ def flushing(mode: str) -> Iterator[None]:
     finally:
         if mode != "calling":
             set_modes(calling=False, workers=False)
+            if team > 1:
+                _workers._run(_set_team, (False, team), team)
         torch.set_flush_denormal(False)
         torch.set_num_threads(threads)
         assert probe() == (False, False)

@@ -1,4 +1,4 @@
-"""The host worker pool made to split small tensors, so CPU tests take its path quickly."""
+"""The host workers' team made to take small tensors, so CPU tests take its path quickly."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ from te_ckpt_placement import _convert, _workers
 
 
 @contextlib.contextmanager
-def small_pool(workers: int, *, task: int = 1000, block: int = 300) -> Iterator[int]:
-    """``workers`` host workers (0: none) that split from ``task`` elements, in ``block``s."""
-    saved = _workers.MIN_TASK_ELEMENTS, _convert.WORKER_BLOCK_ELEMENTS
-    _workers.MIN_TASK_ELEMENTS, _convert.WORKER_BLOCK_ELEMENTS = task, block
+def small_team(workers: int, *, elements: int = 1000, block: int = 300) -> Iterator[int]:
+    """A team of ``workers`` threads (0: none) that takes conversions from ``elements``
+    elements, converting in ``block``-element blocks."""
+    saved = _workers.MIN_ELEMENTS, _convert.BLOCK_ELEMENTS
+    _workers.MIN_ELEMENTS, _convert.BLOCK_ELEMENTS = elements, block
     try:
         with _workers.sized(workers) as used:
             yield used
     finally:
-        _workers.MIN_TASK_ELEMENTS, _convert.WORKER_BLOCK_ELEMENTS = saved
+        _workers.MIN_ELEMENTS, _convert.BLOCK_ELEMENTS = saved
