@@ -21,6 +21,7 @@ return.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
@@ -30,7 +31,7 @@ from typing import Any
 
 import torch
 
-from . import _pool
+from . import _pool, _workers
 from . import _reports as reports
 from ._convert import Convert, bf16_copy_is_vectorized
 from ._convert import copy_rows as _copy_rows
@@ -287,8 +288,10 @@ def release_idle() -> None:
 def stream_into(src: torch.Tensor, out: torch.Tensor, convert: Convert) -> None:
     """Moves ``src`` (contiguous) into the host tensor ``out`` chunk by chunk.
 
-    Chunk k+1 is copied to pinned memory on a side stream while the host converts chunk k into
-    ``out``; the device never allocates anything.
+    Chunks k+1 and k+2 are copied to pinned memory on a side stream while the host converts
+    chunk k into ``out``, on the host workers' team where there is one (:mod:`._workers`),
+    with chunk k+1's conversion handed over before chunk k's is waited for; the device never
+    allocates anything.
     """
     flat_src, flat_out = src.reshape(-1), out.view(-1)
     n = flat_src.numel()
@@ -308,13 +311,19 @@ def stream_into(src: torch.Tensor, out: torch.Tensor, convert: Convert) -> None:
             return buf
 
         staged = [issue(i) for i in range(min(depth - 1, len(bounds)))]
-        for i, (a, b) in enumerate(bounds):
-            st.wait(i)
-            if i + depth - 1 < len(bounds):
-                # Its buffer is chunk i-1's, converted in the previous iteration.
-                staged.append(issue(i + depth - 1))
-            convert(staged[i], flat_out[a:b], st.scratch)
-            staged[i] = None  # type: ignore[call-overload]
+        with _workers.Tasks() as tasks:  # every conversion has ended before the ring goes back
+            converted: Any = None  # chunk i-1's conversion
+            for i, (a, b) in enumerate(bounds):
+                st.wait(i)
+                converting = tasks.submit(
+                    convert, staged[i], flat_out[a:b], st.scratch, elements=b - a
+                )
+                staged[i] = None  # type: ignore[call-overload]
+                if converted is not None:
+                    converted()  # chunk i-1's slot is free again
+                converted = converting
+                if i + depth - 1 < len(bounds):
+                    staged.append(issue(i + depth - 1))  # into chunk i-1's slot
         complete = True  # every copy was waited for
         reports.staging(st.device, st.nbytes + st.scratch.nbytes)
     finally:
@@ -413,16 +422,32 @@ class Uploader:
         recorder = reports.active()
         if recorder is not None:
             recorder.uploaded(n * size, temporary)
-        with torch.no_grad():
+        # Each block is converted into its slot on the host workers' team where there is one,
+        # the next block handed over before this one's upload is queued.
+        fill = functools.partial(_to_bf16, whole_vectorized=whole) if bf16 else _copy_rows
+        with torch.no_grad(), _workers.Tasks() as tasks:
+            queued: Any = None  # the previous block: (its conversion, slot, start, count, buf)
             for start, count, index in row_blocks(shape, limit):
                 buf = self._take(count * size).view(dst.dtype)
                 block = source[index]
-                out = buf.view(block.shape)
-                if bf16:
-                    _to_bf16(out, block, whole)
-                else:
-                    _copy_rows(out, block)
-                ring.copy(self._slot, flat[start : start + count], buf)
+                filling = tasks.submit(fill, buf.view(block.shape), block, elements=count)
+                if queued is not None:
+                    self._upload(flat, *queued)
+                queued = (filling, self._slot, start, count, buf)
+            if queued is not None:
+                self._upload(flat, *queued)
+
+    def _upload(
+        self,
+        flat: torch.Tensor,
+        filled: Any,
+        slot: int,
+        start: int,
+        count: int,
+        buf: torch.Tensor,
+    ) -> None:
+        filled()  # the block's conversion into its slot has ended
+        self._ring.copy(slot, flat[start : start + count], buf)
 
 
 class SlotLender:

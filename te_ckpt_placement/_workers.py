@@ -19,9 +19,11 @@ child hangs in its first parallel op on the thread that forked, when that thread
 
 The leader starts on first use and is dropped in a forked child (which starts its own). Each
 task runs in an empty :mod:`contextvars` context (no policy) under the caller's inference and
-grad modes. :func:`call` waits for its task: a failure is re-raised in the caller as it was
-raised, and an interrupt cancels a task not yet started and waits for a running one, so nothing
-writes into a buffer after the caller returned.
+grad modes. :class:`Tasks` hands tasks over in order, so that the next waits on the leader
+while one runs (the hand-over between two threads costs tens of microseconds, which a pipeline
+of chunks would otherwise pay for each); :func:`call` hands over one and waits for it. A failure
+is re-raised in the caller as it was raised, and an interrupt cancels the tasks not yet started
+and waits for the running one, so nothing writes into a buffer after the caller returned.
 """
 
 from __future__ import annotations
@@ -34,8 +36,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
-from concurrent.futures import wait as _wait
+from concurrent.futures import CancelledError, Future
 from typing import Any, TypeVar
 
 import torch
@@ -336,33 +337,70 @@ def threads() -> int:
     return 0 if leader is None else leader.size
 
 
-def call(fn: Callable[..., _T], *args: Any, elements: int) -> _T:
-    """``fn(*args)``, on the team where :func:`count` is above 1 and ``elements`` (the work's
-    size) is at least :data:`MIN_ELEMENTS`, else on the calling thread.
-
-    On the team, the task's exception is re-raised here as it was raised; an interrupt of the
-    caller cancels the task if it has not started and otherwise waits for it, then propagates.
+class Tasks:
+    """Tasks handed to the team in order, each waited for through the getter :meth:`submit`
+    returns; the next can be handed over while one runs, so the team never waits for the
+    caller between two. Leaving the block waits for every task, after cancelling those not
+    started where it is left by an exception or an interrupt: no task outlives the block, nor
+    writes a buffer after it. A failure is re-raised as the task raised it (from its getter,
+    or on leaving, the first one not seen yet).
     """
-    size = count() if elements >= MIN_ELEMENTS else 1
-    if size < 2:
-        return fn(*args)
-    return _run(fn, args, size)  # type: ignore[no-any-return]
+
+    def __init__(self) -> None:
+        self._futures: list[Future[Any]] = []
+
+    def __enter__(self) -> Tasks:
+        return self
+
+    def __exit__(self, kind: object, exc: object, tb: object) -> None:
+        futures, self._futures = self._futures, []
+        if kind is not None:
+            for future in futures:
+                future.cancel()
+        _wait_all(futures)
+        if kind is None:
+            for future in futures:
+                future.result()
+
+    def submit(self, fn: Callable[..., _T], *args: Any, elements: int) -> Callable[[], _T]:
+        """``fn(*args)``, on the team where :func:`count` is above 1 and ``elements`` (the
+        work's size) is at least :data:`MIN_ELEMENTS`, else now, on the calling thread; returns
+        what gives its result."""
+        size = count() if elements >= MIN_ELEMENTS else 1
+        if size < 2:
+            result = fn(*args)
+            return lambda: result
+        return self.on_team(fn, args, size)
+
+    def on_team(self, fn: Callable[..., Any], args: tuple[Any, ...], size: int) -> Any:
+        # Listed before it is queued: leaving the block finds it, whatever interrupts here.
+        future: Future[Any] = Future()
+        self._futures.append(future)
+        _hand_over(future, fn, args, size)
+        return future.result
 
 
-def _run(fn: Callable[..., Any], args: tuple[Any, ...], size: int) -> Any:
+def _hand_over(
+    future: Future[Any], fn: Callable[..., Any], args: tuple[Any, ...], size: int
+) -> None:
+    """Queues ``fn(*args)`` on the leader, for a team of ``size``: the one way work reaches it."""
     leader = _get_leader()
     # The caller's autograd modes go with the task (an export under torch.inference_mode()
     # writes into inference tensors, which only inference mode may update in place).
     inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
-    # Made before it is queued: an interrupt at any point finds it and cancels or waits for it.
-    future: Future[Any] = Future()
-    try:
-        leader.submit(future, functools.partial(_in_modes, fn, args, inference, grad), size)
-        return future.result()
-    except BaseException:
-        future.cancel()
-        _wait_done(future)
-        raise
+    leader.submit(future, functools.partial(_in_modes, fn, args, inference, grad), size)
+
+
+def call(fn: Callable[..., _T], *args: Any, elements: int) -> _T:
+    """``fn(*args)`` as :meth:`Tasks.submit` runs it, waited for here."""
+    with Tasks() as tasks:
+        return tasks.submit(fn, *args, elements=elements)()
+
+
+def _run(fn: Callable[..., Any], args: tuple[Any, ...], size: int) -> Any:
+    """``fn(*args)`` on a team of ``size``, whatever the settings, waited for here."""
+    with Tasks() as tasks:
+        return tasks.on_team(fn, args, size)()
 
 
 def _in_modes(fn: Callable[..., Any], args: tuple[Any, ...], inference: bool, grad: bool) -> Any:
@@ -370,14 +408,21 @@ def _in_modes(fn: Callable[..., Any], args: tuple[Any, ...], inference: bool, gr
         return fn(*args)
 
 
-def _wait_done(future: Future[Any]) -> None:
-    """Waits until ``future`` is done or cancelled, also through a second interrupt."""
+def _wait_all(futures: list[Future[Any]]) -> None:
+    """Waits until every future has finished or is cancelled, also through a second interrupt.
+
+    A cancelled future counts as ended at once, queued or not (``concurrent.futures.wait``
+    would wait for the leader to dequeue it, and one cancelled before it was queued never is).
+    """
     interrupted: BaseException | None = None
-    while True:
-        try:
-            _wait([future])
-            break
-        except BaseException as exc:  # keep waiting: the task may still write a buffer
-            interrupted = exc
+    for future in futures:
+        while not future.cancelled():
+            try:
+                future.exception()  # waits until it has finished
+                break
+            except CancelledError:
+                break
+            except BaseException as exc:  # keep waiting: the task may still write a buffer
+                interrupted = exc
     if interrupted is not None:
         raise interrupted

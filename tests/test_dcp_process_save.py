@@ -294,8 +294,8 @@ def test_the_adapters_host_workers_reach_the_writer(
     placement = Placement(device="cpu", host_workers=host_workers)
     state = PlacedOptimizerState(case.model, case.opt, save="streaming", placement=placement)
     calls: list[int] = []
-    real_run = _workers._run  # the team's path
-    monkeypatch.setattr(_workers, "_run", lambda *args: calls.append(1) or real_run(*args))
+    real = _workers._hand_over  # the one way work reaches the team
+    monkeypatch.setattr(_workers, "_hand_over", lambda *args: calls.append(1) or real(*args))
     lazies = [local(v) for v in state.state_dict().values() if is_lazy(v)]
     staged = SnapshotStager(pin_memory=False).stage({"optim": state.state_dict()})
     received = [forking_round_trip(s) for s in staged_states(staged)]

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -220,19 +223,94 @@ def test_an_interrupt_waits_for_a_running_task(monkeypatch: pytest.MonkeyPatch) 
         release.wait(5)
         finished.append(1)
 
-    wait_done = _workers._wait_done
+    wait_all = _workers._wait_all
 
-    def release_then_wait(future: Any) -> None:
+    def release_then_wait(futures: Any) -> None:
         # The task finishes only once the caller has been interrupted (a fixed delay here would
         # race the interrupt's delivery on a loaded machine).
         release.set()
-        wait_done(future)
+        wait_all(futures)
 
-    monkeypatch.setattr(_workers, "_wait_done", release_then_wait)
+    monkeypatch.setattr(_workers, "_wait_all", release_then_wait)
     _interrupt_main_once(started)
     with pytest.raises(KeyboardInterrupt):
         _workers._run(task, (), 2)
     assert finished == [1]  # nothing writes after the caller returned
+
+
+def test_tasks_run_in_order_and_leaving_the_block_waits_for_all() -> None:
+    ran: list[int] = []
+
+    def task(k: int) -> int:
+        time.sleep(0.01)
+        ran.append(k)
+        return k
+
+    with small_team(2, elements=1), _workers.Tasks() as tasks:
+        getters = [tasks.submit(task, k, elements=1) for k in range(5)]
+        assert getters[1]() == 1
+    assert ran == [0, 1, 2, 3, 4]  # none left running, none skipped, in order
+    assert [get() for get in getters] == [0, 1, 2, 3, 4]
+
+
+def test_leaving_tasks_by_an_error_cancels_the_ones_not_started(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    release, started = threading.Event(), threading.Event()
+    ran: list[str] = []
+
+    def first() -> None:
+        started.set()
+        release.wait(5)
+        ran.append("first")
+
+    wait_all = _workers._wait_all
+
+    def release_then_wait(futures: Any) -> None:
+        release.set()  # the running task ends only once the others were cancelled
+        wait_all(futures)
+
+    monkeypatch.setattr(_workers, "_wait_all", release_then_wait)
+    with pytest.raises(RuntimeError, match="the caller's own error"):
+        with small_team(2, elements=1), _workers.Tasks() as tasks:
+            tasks.submit(first, elements=1)
+            tasks.submit(lambda: ran.append("second"), elements=1)
+            assert started.wait(5)
+            raise RuntimeError("the caller's own error")
+    assert ran == ["first"]  # waited for; the second never started
+    assert _workers._run(lambda: "next", (), 2) == "next"
+    assert ran == ["first"]
+
+
+def test_an_export_hands_the_next_chunk_over_before_waiting_for_this_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The streaming export keeps the team busy: chunk k+1's conversion is queued while chunk
+    k's runs, not after the caller has seen it end."""
+    from te_ckpt_placement import _ring
+
+    events: list[tuple[str, int]] = []
+    hand_over = _workers._hand_over
+
+    def recorded(future: Any, fn: Any, args: Any, size: int) -> None:
+        events.append(("handed", int(args[1].data_ptr())))
+        hand_over(future, fn, args, size)
+
+    def convert(raw: torch.Tensor, out: torch.Tensor, scratch: Any) -> None:
+        time.sleep(0.02)
+        out.copy_(raw)
+        events.append(("ended", int(out.data_ptr())))
+
+    monkeypatch.setattr(_workers, "_hand_over", recorded)
+    monkeypatch.setattr(_ring, "CHUNK_BYTES", 4000)
+    src, out = torch.arange(4000.0), torch.empty(4000)
+    with small_team(2, elements=1):
+        _ring.stream_into(src, out, convert)
+    assert torch.equal(out, src)
+    chunks = [ptr for kind, ptr in events if kind == "handed"]
+    assert len(chunks) == 4
+    for this, following in itertools.pairwise(chunks):
+        assert events.index(("handed", following)) < events.index(("ended", this)), events
 
 
 def test_a_forked_child_starts_its_own_team_or_says_why_not(tmp_path: Any) -> None:
@@ -269,36 +347,45 @@ def test_a_forked_child_starts_its_own_team_or_says_why_not(tmp_path: Any) -> No
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, (status, why)
 
 
-def test_a_fork_after_a_conversion_leaves_the_child_a_working_torch(tmp_path: Any) -> None:
+_FORK_AFTER_A_CONVERSION = """
+import os, sys, torch
+from te_ckpt_placement import _workers
+from te_ckpt_placement._export import StateSource, materialize
+torch.set_num_threads(1)  # torchrun's OMP_NUM_THREADS=1: the calling thread never has a team
+with _workers.sized(2):
+    _workers.MIN_ELEMENTS = 1000
+    materialize(StateSource(kind="upcast", data=torch.ones(50_000, dtype=torch.bfloat16)))
+assert _workers.threads() == 2, _workers.threads()
+pid = os.fork()
+if pid == 0:
+    torch.set_num_threads(2)  # the child's first parallel op, on the thread that forked
+    os._exit(0 if float((torch.ones(1 << 20) * 2).sum()) == 2 * (1 << 20) else 3)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_fork_after_a_conversion_leaves_the_child_a_working_torch() -> None:
     """The team is the leader's, never the calling thread's: a child forked by a thread whose
     own torch ran an OpenMP team hangs in its first parallel op (libgomp), so a conversion on
-    the team must leave the forking thread without one."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    the team must leave the forking thread without one. In a fresh process, as torchrun starts
+    a rank (one torch thread)."""
+    gomp = _workers._gomp()
+    if isinstance(gomp, str):
+        pytest.skip(gomp)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     try:
-        with small_team(2):
-            materialize(StateSource(kind="upcast", data=torch.ones(50_000, dtype=torch.bfloat16)))
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                torch.set_num_threads(2)
-                code = 0 if float((torch.ones(1 << 20) * 2).sum()) == 2 * (1 << 20) else 1
-            finally:
-                os._exit(code)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            time.sleep(0.05)
-        else:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            pytest.fail("the forked child hung in its first parallel op")
-        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
-    finally:
-        torch.set_num_threads(before)
+        done = subprocess.run(
+            [sys.executable, "-c", _FORK_AFTER_A_CONVERSION],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("the forked child hung in its first parallel op")
+    assert done.returncode == 0, done.stderr
 
 
 def test_zero_workers_keeps_the_calling_thread_path(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -308,7 +395,7 @@ def test_zero_workers_keeps_the_calling_thread_path(monkeypatch: pytest.MonkeyPa
     source = StateSource(kind="scaled", data=torch.randn(9000).half(), scale=torch.tensor([0.5]))
     with small_team(2):
         on = materialize(source)
-    monkeypatch.setattr(_workers, "_run", refuse)
+    monkeypatch.setattr(_workers, "_hand_over", refuse)
     for off in (0, 1):
         with small_team(off):
             assert_bit_equal(materialize(source), on)
