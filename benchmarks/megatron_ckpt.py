@@ -23,7 +23,9 @@ flattened_range is not supported"): the run checks that the placed save fails th
 Each save and load is measured: ``peak_extra_gpu_bytes`` is ``torch.cuda.max_memory_allocated``
 above the start, ``peak_extra_host_bytes`` the peak RSS growth (sampled every millisecond),
 ``seconds`` the wall time; ``n_elements`` the local optimizer elements (each rank's own numbers
-are in ``per_rank``). Rank 0 writes ``--out``: the records, every check, the machine and the
+are in ``per_rank``). Saves run with the CUDA allocator's history recorded (what was live at the
+GPU peak), loads without it (``allocator_history``), since its stack capture at every
+allocation slows whichever path allocates more. Rank 0 writes ``--out``: the records, every check, the machine and the
 versions, rewritten after every case (``"complete": true`` once the run has ended). The exit
 status is 1 if any check failed. ``tests/test_gpu_megatron.py`` runs it on 1 and 2 GPUs;
 ``tests/support/megatron_cpu_run.py`` runs it on the CPU.
@@ -611,8 +613,11 @@ class Run:
             self.check(case, f"not measured on the CPU: {name}", True, detail)
 
     def measure(
-        self, op: str, case: Case, mode: str, n: int, fn: Any, **extra: Any
+        self, op: str, case: Case, mode: str, n: int, fn: Any, *, history: bool = True, **extra: Any
     ) -> dict[str, Any]:
+        """Runs ``fn`` measured; ``history``: with the CUDA allocator's history recorded (the
+        live-at-peak breakdown), which captures a Python stack at every allocation and so
+        slows the path that allocates more: loads are timed without it."""
         import torch.distributed as dist
 
         _ensure_root_on_path()
@@ -620,7 +625,7 @@ class Run:
 
         result: dict[str, Any] = {}
         dist.barrier()
-        with allocator_history(DEVICE == "cuda") as breakdown:
+        with allocator_history(DEVICE == "cuda" and history) as breakdown:
             with measured(result, cuda=DEVICE == "cuda"):
                 fn()
         if breakdown:
@@ -637,6 +642,7 @@ class Run:
             "peak_extra_host_bytes": max(r["peak_extra_host_bytes"] for r in per_rank),
             "seconds": max(r["seconds"] for r in per_rank),
             "world_size": self.world,
+            "allocator_history": DEVICE == "cuda" and history,
             **extra,
             "per_rank": per_rank,
         }
@@ -765,6 +771,7 @@ class Run:
                 mode,
                 n,
                 lambda ckpt=ckpt, gpt=gpt, optimizer=optimizer: load(gpt, optimizer, case, ckpt),
+                history=False,
             )
             grown = _allocated() - before
             after[mode] = snapshot(gpt, optimizer)
