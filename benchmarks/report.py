@@ -366,6 +366,31 @@ SECTIONS: list[tuple[str, str, str, str]] = [
         "1.01-1.02 x.",
     ),
     (
+        "Exports and loads under torchrun's default OMP_NUM_THREADS=1",
+        "h200_host_workers.json",
+        "generic:op,moments,master,intra_op_threads,host_workers,mode,repeat,"
+        "peak_extra_gpu_bytes,peak_extra_host_bytes,seconds,bound_seconds",
+        "`OMP_NUM_THREADS=1 benchmarks/export_memory.py --sweep threads --intra-op-threads 1,16` "
+        "on one H200 (16 host cores), N = 1 G: every storage mode at torch's one intra-op thread "
+        "(torchrun's default; the host workers' team of 16 converts) and at 16 (the team stands "
+        "aside and torch's own threads convert), TE's own paths at both settings in the same "
+        "run. `placement_cpu` first saves write fresh memory; `reuse_buffers` repeats write the "
+        "kept buffers. A load row is the best of two runs.",
+    ),
+    (
+        "A framework's own process-based async save, at one intra-op thread",
+        "h200_framework_save_364360e.json",
+        "generic:framework,async_mode,mode,save_index,peak_extra_gpu_bytes,peak_extra_host_bytes,"
+        "blocked_seconds,bound_seconds,prewarm_bytes,equals_te_export,error",
+        "`OMP_NUM_THREADS=1 torchrun --nproc_per_node=1 benchmarks/framework_save.py` on one "
+        "H200, N = 0.47 G (BF16 moments, int16 remainders, 3.5 GiB raw). `snapshot_prewarmed`: "
+        "the stager made by `SnapshotStager.prewarm` at setup, so its first save blocks only for "
+        "its copies. The run was cut by its time limit after that row; the rows it did not "
+        "reach (thread and sync saves) are in `h200_framework_save.json` (5a853e3). The "
+        "torchtitan rows' `KeyError` is torch 2.11's `DefaultStager` kept across saves, with "
+        "or without the policy.",
+    ),
+    (
         "Soak",
         "h200x2_soak.json",
         "soak",
