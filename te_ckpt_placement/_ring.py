@@ -285,6 +285,16 @@ def release_idle() -> None:
     _rings.release()
 
 
+def _pipeline_slots() -> int:
+    """:data:`RING`, checked: the export and load pipelines fill one slot while another copies."""
+    if not isinstance(RING, int) or RING < 2:
+        raise ValueError(
+            f"te_ckpt_placement._ring.RING = {RING!r}: the staging ring needs at least 2 slots "
+            "(one is converted while the next is copied); set it to an integer >= 2"
+        )
+    return RING
+
+
 def stream_into(src: torch.Tensor, out: torch.Tensor, convert: Convert) -> None:
     """Moves ``src`` (contiguous) into the host tensor ``out`` chunk by chunk.
 
@@ -295,9 +305,10 @@ def stream_into(src: torch.Tensor, out: torch.Tensor, convert: Convert) -> None:
     """
     flat_src, flat_out = src.reshape(-1), out.view(-1)
     n = flat_src.numel()
+    slots = _pipeline_slots()
     lease, complete = _Lease(), False
     try:
-        st = lease.take(src.device, CHUNK_BYTES, RING)
+        st = lease.take(src.device, CHUNK_BYTES, slots)
         depth = st.slots
         step = max(1, st.slot_bytes // src.element_size())
         bounds = [(a, min(a + step, n)) for a in range(0, n, step)]
@@ -357,7 +368,7 @@ class Uploader:
         self._offset = 0
 
     def __enter__(self) -> Uploader:
-        self._ring = self._exit.enter_context(lend(self.device))
+        self._ring = self._exit.enter_context(lend(self.device, slots=_pipeline_slots()))
         reports.staging(self.device, self._ring.nbytes)  # the ring (a load uses no scratch)
         self._offset = self._ring.slot_bytes  # the first take starts a fresh slot
         return self

@@ -293,7 +293,11 @@ class _Leader:
             target=_loop, args=(self.tasks, ready), name="te_ckpt_placement-host", daemon=True
         )
         self.thread.start()
-        ready.result()  # raises where the thread could not start torch
+        try:
+            ready.result()  # raises where the thread could not start torch
+        except BaseException:
+            self.tasks.put(None)  # not kept (an interrupted wait, say): it ends once started
+            raise
         self.size = 0  # the largest team it ran
 
     def submit(self, future: Future[Any], fn: Callable[[], Any], size: int) -> None:
@@ -338,9 +342,10 @@ def threads() -> int:
 
 
 class Tasks:
-    """Tasks handed to the team in order, each waited for through the getter :meth:`submit`
-    returns; the next can be handed over while one runs, so the team never waits for the
-    caller between two. Leaving the block waits for every task, after cancelling those not
+    """Tasks run in the order they are given, each waited for through the getter
+    :meth:`submit` returns; the next can be handed over while one runs on the team, so the team
+    never waits for the caller between two, and one run on the calling thread starts only once
+    those before it have ended. Leaving the block waits for every task, after cancelling those not
     started where it is left by an exception or an interrupt: no task outlives the block, nor
     writes a buffer after it. A failure is re-raised as the task raised it (from its getter,
     or on leaving, the first one not seen yet).
@@ -354,10 +359,12 @@ class Tasks:
 
     def __exit__(self, kind: object, exc: object, tb: object) -> None:
         futures, self._futures = self._futures, []
-        if kind is not None:
-            for future in futures:
-                future.cancel()
-        _wait_all(futures)
+        try:
+            if kind is not None:
+                for future in futures:
+                    future.cancel()
+        finally:  # waited for also when an interrupt arrives while cancelling
+            _wait_all(futures)
         if kind is None:
             for future in futures:
                 future.result()
@@ -368,6 +375,10 @@ class Tasks:
         what gives its result."""
         size = count() if elements >= MIN_ELEMENTS else 1
         if size < 2:
+            # After the tasks handed over before it, as if it had been one of them: they may
+            # share a buffer with it (the ring's scratch).
+            for future in self._futures:
+                future.result()
             result = fn(*args)
             return lambda: result
         return self.on_team(fn, args, size)
@@ -416,9 +427,10 @@ def _wait_all(futures: list[Future[Any]]) -> None:
     """
     interrupted: BaseException | None = None
     for future in futures:
-        while not future.cancelled():
+        while True:
             try:
-                future.exception()  # waits until it has finished
+                if not future.cancelled():
+                    future.exception()  # waits until it has finished
                 break
             except CancelledError:
                 break

@@ -282,6 +282,90 @@ def test_leaving_tasks_by_an_error_cancels_the_ones_not_started(
     assert ran == ["first"]
 
 
+def test_a_task_run_on_the_calling_thread_waits_for_those_handed_over_before_it() -> None:
+    """Tasks run in their order whichever thread runs them: they may share a buffer."""
+    ran: list[str] = []
+
+    def slow() -> None:
+        time.sleep(0.05)
+        ran.append("team")
+
+    with small_team(2, elements=100), _workers.Tasks() as tasks:
+        tasks.submit(slow, elements=100)  # on the team
+        tasks.submit(lambda: ran.append("here"), elements=99)  # small: on the calling thread
+        assert ran == ["team", "here"]
+
+
+def test_an_e4m3_export_whose_last_chunk_is_small_keeps_its_bits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Full chunks convert on the team and a short last chunk on the calling thread; the E4M3
+    decode of both goes through the ring's one scratch buffer."""
+    from te_ckpt_placement import _ring
+
+    monkeypatch.setattr(_ring, "CHUNK_BYTES", 1 << 16)
+    data = torch.randint(0, 256, (3 * (1 << 16) + 500,), dtype=torch.uint8)
+    data[data == 0x7F] = 0  # no NaN bytes: the reference is a plain widening
+    data[data == 0xFF] = 0
+    source = StateSource(
+        kind="fp8", data=data, scale=torch.tensor([0.5]), fp8_dtype=torch.float8_e4m3fn
+    )
+    expected = data.view(torch.float8_e4m3fn).float() * 0.5
+    with small_team(0):
+        assert_bit_equal(materialize(source), expected)
+    for _ in range(3):
+        with small_team(2, elements=1000):
+            assert_bit_equal(materialize(source), expected)
+
+
+def test_an_interrupt_while_cancelling_still_waits_for_the_running_task(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from concurrent.futures import Future
+
+    release, started = threading.Event(), threading.Event()
+    finished: list[int] = []
+
+    def task() -> None:
+        started.set()
+        release.wait(5)
+        finished.append(1)
+
+    cancel = Future.cancel
+    interrupts = [KeyboardInterrupt("a second Ctrl-C")]
+
+    def interrupted_cancel(self: Any) -> bool:
+        if interrupts:
+            raise interrupts.pop()
+        return cancel(self)
+
+    wait_all = _workers._wait_all
+
+    def release_then_wait(futures: Any) -> None:
+        release.set()
+        wait_all(futures)
+
+    monkeypatch.setattr(Future, "cancel", interrupted_cancel)
+    monkeypatch.setattr(_workers, "_wait_all", release_then_wait)
+    with pytest.raises(KeyboardInterrupt, match="a second Ctrl-C"):
+        with _workers.Tasks() as tasks:
+            tasks.on_team(task, (), 2)
+            assert started.wait(5)
+            raise RuntimeError("the caller's own error")
+    assert finished == [1]  # ended before the block was left
+
+
+def test_a_ring_of_fewer_than_two_slots_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from te_ckpt_placement import _ring
+
+    monkeypatch.setattr(_ring, "RING", 1)
+    with pytest.raises(ValueError, match=r"RING = 1: .* at least 2 slots .* integer >= 2"):
+        materialize(StateSource(kind="copy", data=torch.ones(10)))
+    with pytest.raises(ValueError, match=r"RING = 1: .* at least 2 slots"):
+        with _ring.Uploader(torch.device("cpu")):
+            pass
+
+
 def test_an_export_hands_the_next_chunk_over_before_waiting_for_this_one(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
