@@ -22,11 +22,11 @@ flattened_range is not supported"): the run checks that the placed save fails th
 
 Each save and load is measured: ``peak_extra_gpu_bytes`` is ``torch.cuda.max_memory_allocated``
 above the start, ``peak_extra_host_bytes`` the peak RSS growth (sampled every millisecond),
-``seconds`` the wall time; ``n_elements`` the local optimizer elements (each rank's own numbers
-are in ``per_rank``). Saves run with the CUDA allocator's history recorded (what was live at the
-GPU peak), loads without it (``allocator_history``), since its stack capture at every
-allocation slows whichever path allocates more. Rank 0 writes ``--out``: the records, every
-check, the machine and the versions, rewritten after every case (``"complete": true`` once the run has ended). The exit
+``seconds`` the wall time; ``n_elements`` the local optimizer elements (each rank's own numbers are
+in ``per_rank``). Saves run with the CUDA allocator's history recorded (what was live at the GPU
+peak), loads without it (``allocator_history``), since its stack capture at every allocation slows
+whichever path allocates more. Rank 0 writes ``--out``: the records, every check, the machine and
+the versions, rewritten after every case (``"complete": true`` once the run has ended). The exit
 status is 1 if any check failed. ``tests/test_gpu_megatron.py`` runs it on 1 and 2 GPUs;
 ``tests/support/megatron_cpu_run.py`` runs it on the CPU.
 
