@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -631,12 +630,9 @@ def fsdp2_rank(rank: int, port: int, out: str, state_dict_type: str) -> None:
 def test_fsdp2_resume_matches_accelerate_without_fake_step(
     tmp_path: Path, state_dict_type: str
 ) -> None:
-    import torch.multiprocessing as mp
+    from .support.distributed import spawn
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    mp.spawn(fsdp2_rank, args=(port, str(tmp_path), state_dict_type), nprocs=2, join=True)
+    spawn(fsdp2_rank, str(tmp_path), state_dict_type)
     for rank in range(2):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert results["plain_equal_saved"] is True, results

@@ -19,7 +19,6 @@ from __future__ import annotations
 import datetime
 import functools
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -706,16 +705,10 @@ def _check_two_ranks(api: SimpleNamespace, group: Any) -> None:
     assert_same_raw(resumed.inner, built.inner)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_two_data_parallel_ranks_on_gloo() -> None:
-    import torch.multiprocessing as mp
+    from .support.distributed import spawn
 
-    mp.spawn(_two_rank_worker, args=(_free_port(), _real_api() is not None), nprocs=2, join=True)
+    spawn(_two_rank_worker, _real_api() is not None)
 
 
 @pytest.mark.parametrize("world", [1, 2])

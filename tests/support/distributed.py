@@ -33,12 +33,31 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _exit_after(rank: int, worker: Callable[..., None], *args: Any) -> None:
+    """``worker(rank, *args)``, then the rank's process ends without Python's finalization.
+
+    A gloo thread may still be releasing the last collective's work when a rank returns, and
+    that takes the GIL (the work holds tensors with Python objects); during finalization a
+    thread that takes the GIL is unwound through a noexcept destructor and the rank aborts
+    ("terminate called without an active exception", seen in CI and in core dumps here, also
+    before the host workers' team existed). What a rank reports is written before it returns; a
+    rank that raises is reported by ``mp.spawn`` as before.
+    """
+    import os
+    import sys
+
+    worker(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def spawn(worker: Callable[..., None], *args: Any, nprocs: int = WORLD) -> None:
     """Runs ``worker(rank, port, *args)`` on ``nprocs`` ranks; a failing rank's exception is
     re-raised."""
     import torch.multiprocessing as mp
 
-    mp.spawn(worker, args=(free_port(), *args), nprocs=nprocs, join=True)
+    mp.spawn(_exit_after, args=(worker, free_port(), *args), nprocs=nprocs, join=True)
 
 
 # The GPU tests' default group: NCCL for CUDA tensors, and gloo for CPU tensors, which
@@ -53,7 +72,9 @@ def spawn_collecting(phase: Callable[..., None], world: int, *args: Any) -> dict
 
     with mp.Manager() as manager:
         shared = manager.dict()
-        mp.spawn(phase, args=(free_port(), world, *args, shared), nprocs=world, join=True)
+        mp.spawn(
+            _exit_after, args=(phase, free_port(), world, *args, shared), nprocs=world, join=True
+        )
         return dict(shared)
 
 
