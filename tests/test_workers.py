@@ -176,6 +176,22 @@ def test_callers_on_several_threads_each_get_their_own_result() -> None:
     assert results == {k: k * k for k in range(6)}
 
 
+@pytest.fixture
+def released_on_wait(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Set once ``Tasks`` waits for its tasks on leaving: a running task that waits for it ends
+    only after the caller was interrupted or failed and cancelled the others (a fixed delay
+    would race that on a loaded machine)."""
+    release = threading.Event()
+    wait_all = _workers._wait_all
+
+    def release_then_wait(futures: Any) -> None:
+        release.set()
+        wait_all(futures)
+
+    monkeypatch.setattr(_workers, "_wait_all", release_then_wait)
+    return release
+
+
 def _interrupt_main_once(started: threading.Semaphore) -> None:
     def interrupt() -> None:
         started.acquire()
@@ -214,8 +230,8 @@ def test_an_interrupt_cancels_a_task_that_has_not_started(
     assert ran == []
 
 
-def test_an_interrupt_waits_for_a_running_task(monkeypatch: pytest.MonkeyPatch) -> None:
-    release, started = threading.Event(), threading.Semaphore(0)
+def test_an_interrupt_waits_for_a_running_task(released_on_wait: threading.Event) -> None:
+    release, started = released_on_wait, threading.Semaphore(0)
     finished: list[int] = []
 
     def task() -> None:
@@ -223,15 +239,6 @@ def test_an_interrupt_waits_for_a_running_task(monkeypatch: pytest.MonkeyPatch) 
         release.wait(5)
         finished.append(1)
 
-    wait_all = _workers._wait_all
-
-    def release_then_wait(futures: Any) -> None:
-        # The task finishes only once the caller has been interrupted (a fixed delay here would
-        # race the interrupt's delivery on a loaded machine).
-        release.set()
-        wait_all(futures)
-
-    monkeypatch.setattr(_workers, "_wait_all", release_then_wait)
     _interrupt_main_once(started)
     with pytest.raises(KeyboardInterrupt):
         _workers._run(task, (), 2)
@@ -254,9 +261,9 @@ def test_tasks_run_in_order_and_leaving_the_block_waits_for_all() -> None:
 
 
 def test_leaving_tasks_by_an_error_cancels_the_ones_not_started(
-    monkeypatch: pytest.MonkeyPatch,
+    released_on_wait: threading.Event,
 ) -> None:
-    release, started = threading.Event(), threading.Event()
+    release, started = released_on_wait, threading.Event()
     ran: list[str] = []
 
     def first() -> None:
@@ -264,13 +271,6 @@ def test_leaving_tasks_by_an_error_cancels_the_ones_not_started(
         release.wait(5)
         ran.append("first")
 
-    wait_all = _workers._wait_all
-
-    def release_then_wait(futures: Any) -> None:
-        release.set()  # the running task ends only once the others were cancelled
-        wait_all(futures)
-
-    monkeypatch.setattr(_workers, "_wait_all", release_then_wait)
     with pytest.raises(RuntimeError, match="the caller's own error"):
         with small_team(2, elements=1), _workers.Tasks() as tasks:
             tasks.submit(first, elements=1)
@@ -319,11 +319,11 @@ def test_an_e4m3_export_whose_last_chunk_is_small_keeps_its_bits(
 
 
 def test_an_interrupt_while_cancelling_still_waits_for_the_running_task(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, released_on_wait: threading.Event
 ) -> None:
     from concurrent.futures import Future
 
-    release, started = threading.Event(), threading.Event()
+    release, started = released_on_wait, threading.Event()
     finished: list[int] = []
 
     def task() -> None:
@@ -339,14 +339,7 @@ def test_an_interrupt_while_cancelling_still_waits_for_the_running_task(
             raise interrupts.pop()
         return cancel(self)
 
-    wait_all = _workers._wait_all
-
-    def release_then_wait(futures: Any) -> None:
-        release.set()
-        wait_all(futures)
-
     monkeypatch.setattr(Future, "cancel", interrupted_cancel)
-    monkeypatch.setattr(_workers, "_wait_all", release_then_wait)
     with pytest.raises(KeyboardInterrupt, match="a second Ctrl-C"):
         with _workers.Tasks() as tasks:
             tasks.on_team(task, (), 2)
