@@ -91,7 +91,7 @@ def _in_blocks(convert: Convert, raw: torch.Tensor, out: torch.Tensor, work: Scr
         convert(raw[a : a + step], out[a : a + step], work)
 
 
-def copy_rows(out: torch.Tensor, src: torch.Tensor) -> None:
+def host_copy(out: torch.Tensor, src: torch.Tensor) -> None:
     """``out.copy_(src)`` of two host tensors of one shape, on the host workers' team when there
     is one: torch's own copy, its kernel chosen by the layouts as on any thread count."""
     _workers.call(out.copy_, src, elements=out.numel())
@@ -217,7 +217,7 @@ def dequantize_e4m3(
 def _copy(raw: torch.Tensor, out: torch.Tensor, scratch: Scratch) -> None:
     # Same dtype (a memcpy), or BF16 widened to FP32, which torch does with integer shifts:
     # exact, in any FTZ/DAZ mode, and elementwise, so on the host workers too.
-    copy_rows(out.view(-1), raw.reshape(-1))
+    host_copy(out.view(-1), raw.reshape(-1))
 
 
 def _widen_and_scale(smallest: float, scale: float, fp8: torch.dtype | None = None) -> Convert:

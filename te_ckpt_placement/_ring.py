@@ -34,7 +34,7 @@ import torch
 from . import _pool, _workers
 from . import _reports as reports
 from ._convert import Convert, bf16_copy_is_vectorized
-from ._convert import copy_rows as _copy_rows
+from ._convert import host_copy as _host_copy
 from ._convert import to_bf16 as _to_bf16
 from ._tensors import memory_order, row_blocks
 
@@ -435,7 +435,7 @@ class Uploader:
             recorder.uploaded(n * size, temporary)
         # Each block is converted into its slot on the host workers' team where there is one,
         # the next block handed over before this one's upload is queued.
-        fill = functools.partial(_to_bf16, whole_vectorized=whole) if bf16 else _copy_rows
+        fill = functools.partial(_to_bf16, whole_vectorized=whole) if bf16 else _host_copy
         with torch.no_grad(), _workers.Tasks() as tasks:
             queued: Any = None  # the previous block: (its conversion, slot, start, count, buf)
             for start, count, index in row_blocks(shape, limit):
