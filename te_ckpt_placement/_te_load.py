@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from . import _reports as reports
 from . import _te_cost, _te_load_check
@@ -114,6 +115,57 @@ def stream_load_state_dict(
     for hook in post_hooks.values():
         hook(optimizer)
     note_loaded(optimizer)
+
+
+@reports.operation("load")
+def reload_in_place(
+    optimizer: Any, state_dict: Any, owner: type, params: list[torch.Tensor]
+) -> None:
+    """TE's ``load_state_dict(optimizer.state_dict())`` without exporting anything.
+
+    For a ``state_dict`` whose states are the live ones (``params`` in its order), as Megatron's
+    ``DistributedOptimizer.load_state_dict`` hands TE's own export back to TE's load. TE's round
+    trip leaves each state as ``set_scaled_state(param, name, get_unscaled_state(param, name))``
+    (L515-548 with L327-395): FP32 and int16 states as they were, BF16 states rounded back (a
+    NaN becomes the canonical one), FP16 and FP8 states rescaled from their absmax. torch's load
+    takes the groups, then each BF16/FP16/FP8 state is set from its own unscaled value by TE's
+    two calls, on the device, one FP32 copy at a time, into the live storage. A failure part-way
+    leaves every state valid: those already set as TE's round trip leaves them, the rest as they
+    were.
+    """
+    contract = Contract.of(optimizer)
+    live = {param: optimizer.state[param] for param in params}
+    if reports.active() is not None:  # TE's round trip: its export, then its load's bulk cast
+        plan = [
+            (
+                contract.position(param),
+                param,
+                {n: _device_fp32(v) for n, v in states.items() if isinstance(v, torch.Tensor)},
+            )
+            for param, states in live.items()
+        ]
+        _count_te_cost(contract, plan, bulk_cast=True)
+    stripped = dict(state_dict)
+    stripped["state"] = {k: {} for k in state_dict["state"]}
+    with post_hooks_deferred(optimizer) as post_hooks:
+        super(owner, optimizer).load_state_dict(stripped)  # type: ignore[arg-type]
+    optimizer.state.update(live)
+    for param, states in live.items():
+        for name in list(states):
+            facts = contract.facts(param, name)
+            if facts is None or facts.te_dtype == torch.float32:
+                continue  # TE's round trip copies FP32 states and int16 remainders as they are
+            optimizer.set_scaled_state(param, name, optimizer.get_unscaled_state(param, name))
+            reports.state_written()
+    for hook in post_hooks.values():
+        hook(optimizer)
+    note_loaded(optimizer)
+
+
+def _device_fp32(value: Any) -> torch.Tensor:
+    """A stand-in for TE's FP32 export of ``value`` (same shape and device, no memory)."""
+    local = value._local_tensor if isinstance(value, DTensor) else value
+    return torch.empty((), dtype=torch.float32, device=local.device).expand(local.shape)
 
 
 def load_states(

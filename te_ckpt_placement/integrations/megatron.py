@@ -24,10 +24,15 @@ inside a streaming policy (references are megatron-core 0.19.2,
 - ``state_dict`` (L825-885) keeps only the param groups of its inner ``optimizer.state_dict()``
   (L833, L866): they now come from torch's ``Optimizer.state_dict``, which TE's ``state_dict``
   calls before converting the states that Megatron drops, so no state is exported at all;
+- ``sharded_state_dict(is_loading=True)`` (L1460-1580) builds the load's template from empty host
+  tensors of those dtypes, which the load reads into (a key a non-strict load lacks is dropped
+  from template and result alike, so an empty value never reaches the optimizer);
 - ``load_state_dict`` (L887-1088) on an optimizer without state starts from TE's initial states
   (``te_load.initialize_states``) instead of Megatron's dummy GPU states (L974-1020), which would
-  sit next to the states TE's load allocates; its round trip through TE's ``state_dict`` and
-  ``load_state_dict`` (L965, L1046) streams, as those do everywhere under the policy.
+  sit next to the states TE's load allocates; its round trip of TE's ``state_dict`` through TE's
+  ``load_state_dict`` (L965, L1046) stays on the device (``te_load.reload_in_place``), and
+  ``_set_main_param_and_optimizer_states`` (L1193-1225) writes each loaded state as TE's load
+  does, host tensors through the pinned pipeline (``te_load.load_state``).
 
 Checkpoints stay byte-compatible with Megatron's own. TE's class is not touched and neither is its
 ``get_unscaled_state``: TE's ``step()`` calls that itself (and a step can run inside checkpoint
@@ -42,6 +47,7 @@ Megatron's ``DistributedOptimizer`` by the source of the methods this integratio
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import hashlib
 import inspect
@@ -54,10 +60,10 @@ from typing import Any
 import torch
 
 from .. import _export as engine
+from .. import _pool, _wrap
 from .. import _reports as reports
 from .. import _te_contract as te_contract
 from .. import _te_load as te_load
-from .. import _wrap
 from .._policy import Placement, as_placement, current_placement
 from .._versions import installed
 from ._methods import PlacementLike, place_methods, unplace_methods
@@ -91,7 +97,7 @@ FINGERPRINTS: dict[str, str] = {
     "_get_main_param_and_optimizer_states": (
         "c7178119fd1fae73afbe283c40de2923eb0022aa0f189275022cfafc10faa6db"
     ),
-    # L1193-1225: receives the host tensors loaded into host templates.
+    # L1193-1225: reproduced with te_load.load_state for each set_scaled_state.
     "_set_main_param_and_optimizer_states": (
         "38261637dc92678dafee7575392004c64ff6009c60477cfb997838ca29c3b366"
     ),
@@ -124,12 +130,16 @@ CHECKPOINT_METHODS = (
 )
 
 # The instance methods whose behaviour changes inside a streaming policy.
-_BEHAVIOURS = ("state_dict", "load_state_dict", "_get_main_param_and_optimizer_states")
+_BEHAVIOURS = (
+    "state_dict",
+    "load_state_dict",
+    "sharded_state_dict",
+    "_get_main_param_and_optimizer_states",
+    "_set_main_param_and_optimizer_states",
+)
 # The other checkpoint methods, each counted as one streamed operation (the behaviours count
-# themselves): a save ("export") or a load. sharded_state_dict reads states for a load template
-# too (is_loading=True), which still exports them to the host.
+# themselves): a save ("export") or a load.
 _REPORTED: dict[str, reports.Op] = {
-    "sharded_state_dict": "export",
     "save_parameter_state": "export",
     "get_parameter_state_dp_zero": "export",
     "get_parameter_state_dp_reshardable": "export",
@@ -142,9 +152,19 @@ _REPLACED = "place_optimizer"
 _verified: weakref.WeakSet[type] = weakref.WeakSet()
 
 # Inner TE optimizers (by id) whose state_dict() returns torch's Optimizer.state_dict in this
-# context: set only while a placed DistributedOptimizer.state_dict runs.
-_GROUPS_ONLY: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
-    "te_ckpt_placement_megatron_groups_only", default=frozenset()
+# context: set only while a placed DistributedOptimizer.state_dict or load_state_dict runs.
+_TORCH_STATE_DICT: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
+    "te_ckpt_placement_megatron_torch_state_dict", default=frozenset()
+)
+# Inner TE optimizers (by id) whose load_state_dict of their own live states re-sets them in
+# place (te_load.reload_in_place): set only while a placed load_state_dict runs.
+_RELOAD: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
+    "te_ckpt_placement_megatron_reload", default=frozenset()
+)
+# Placed DistributedOptimizers (by id) building a load's template: set only while a placed
+# sharded_state_dict(is_loading=True) runs.
+_TEMPLATE: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
+    "te_ckpt_placement_megatron_template", default=frozenset()
 )
 
 
@@ -247,39 +267,64 @@ class _Reported:
             return original(*args, **kw)
 
 
+@contextlib.contextmanager
+def _including(var: contextvars.ContextVar[frozenset[int]], obj: object) -> Iterator[None]:
+    token = var.set(var.get() | {id(obj)})
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
 def _state_dict(optimizer: Any, original: Callable[[], Any]) -> Any:
     inner = _streaming_te_inner(optimizer)
     if inner is None:
         return original()
-    _divert_inner_state_dict(optimizer, inner)
-    token = _GROUPS_ONLY.set(_GROUPS_ONLY.get() | {id(inner)})
-    try:
-        with reports.operation("export", path="megatron"):
-            return original()
-    finally:
-        _GROUPS_ONLY.reset(token)
+    _divert_inner(optimizer, inner)
+    with _including(_TORCH_STATE_DICT, inner), reports.operation("export", path="megatron"):
+        return original()
 
 
 def _load_state_dict(optimizer: Any, original: Callable[[Any], Any], state_dict: Any) -> Any:
     inner = _streaming_te_inner(optimizer)
     if inner is None:
         return original(state_dict)
+    _divert_inner(optimizer, inner)
     with reports.operation("load", path="megatron"):
-        if (
-            optimizer.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
-            and not optimizer.ddp_config.use_megatron_fsdp
-            and len(inner.state) == 0
-        ):
+        if not _precision_aware(optimizer) or optimizer.ddp_config.use_megatron_fsdp:
+            return original(state_dict)
+        if len(inner.state) == 0:
             # The states TE's load writes into, instead of dummies next to them (L974-1020).
             te_load.initialize_states(inner)
-        return original(state_dict)
+        # Megatron hands TE's state_dict() back to TE's load_state_dict (L965, L1046): both
+        # stay on the device, state by state (te_load.reload_in_place), instead of a whole
+        # export to the host and a load back.
+        with _including(_TORCH_STATE_DICT, inner), _including(_RELOAD, inner):
+            return original(state_dict)
+
+
+def _sharded_state_dict(optimizer: Any, original: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    if _streaming_te_inner(optimizer) is None:
+        return original(*args, **kw)
+    is_loading = kw.get("is_loading", args[1] if len(args) > 1 else False)
+    if not is_loading:
+        with reports.operation("export", path="megatron"):
+            return original(*args, **kw)
+    # A load's template: every state read for it (L1090-1117) is an empty host tensor that the
+    # load fills, as Megatron's own fully_reshardable template is (empty_data, L1737).
+    with _including(_TEMPLATE, optimizer), reports.operation("load", path="megatron"):
+        return original(*args, **kw)
+
+
+def _precision_aware(optimizer: Any) -> bool:
+    return bool(optimizer.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
 
 
 def _get_main_param_and_optimizer_states(
     optimizer: Any, original: Callable[[Any], Any], model_param: Any
 ) -> Any:
     inner = _streaming_te_inner(optimizer)
-    if inner is None or not optimizer.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+    if inner is None or not _precision_aware(optimizer):
         return original(model_param)
     placement = current_placement()
     assert placement is not None
@@ -288,6 +333,14 @@ def _get_main_param_and_optimizer_states(
     param = inner.param_groups[group_index]["params"][group_order]
     stored = inner.state[param]
     where = (group_index, group_order)
+    if id(optimizer) in _TEMPLATE.get():
+        tensors = {
+            name: _template(inner, param, name, value, placement, where)
+            for name, value in stored.items()
+            if isinstance(value, torch.Tensor)
+        }
+        tensors["param"] = tensors.pop("master_param")
+        return tensors
     sources = {
         name: te_contract.describe_state(inner, param, name, value, placement, where)
         for name, value in stored.items()
@@ -303,26 +356,91 @@ def _get_main_param_and_optimizer_states(
     return tensors
 
 
+def _template(
+    inner: Any, param: Any, name: str, value: Any, placement: Placement, where: object
+) -> torch.Tensor:
+    """An empty host tensor of the dtype and shape ``get_unscaled_state`` returns (L327-356)."""
+    facts = te_contract.state_facts(inner, param, name)
+    if facts is None:  # raises the export's error for a state TE does not keep
+        te_contract.describe_state(inner, param, name, value, placement, where)
+    assert facts is not None
+    dtype = torch.int16 if facts.remainder else torch.float32
+    return _pool.empty_host(torch.Size(facts.local_shape), dtype, touch=True)
+
+
+def _set_main_param_and_optimizer_states(
+    optimizer: Any, original: Callable[[Any, Any], Any], model_param: Any, tensors: Any
+) -> Any:
+    inner = _streaming_te_inner(optimizer)
+    if inner is None or not _precision_aware(optimizer):
+        return original(model_param, tensors)
+    # L1199-1214, each set_scaled_state (L1211-1214) written as TE's load writes it, host
+    # values through the pinned pipeline (te_load.load_state).
+    group_index, group_order = optimizer.model_param_group_index_map[model_param]
+    param = inner.param_groups[group_index]["params"][group_order]
+    for key, value in tensors.items():
+        if isinstance(value, torch.Tensor):
+            te_load.load_state(inner, param, "master_param" if key == "param" else key, value)
+    return None
+
+
 _IMPLS: dict[str, Callable[..., Any]] = {
     "load_state_dict": _load_state_dict,
+    "sharded_state_dict": _sharded_state_dict,
     "_get_main_param_and_optimizer_states": _get_main_param_and_optimizer_states,
+    "_set_main_param_and_optimizer_states": _set_main_param_and_optimizer_states,
 }
 
 
-def _groups_only_state_dict(inner: Any, original: Callable[[], Any]) -> Any:
-    if id(inner) in _GROUPS_ONLY.get():
+def _inner_state_dict(inner: Any, original: Callable[[], Any]) -> Any:
+    if id(inner) in _TORCH_STATE_DICT.get():
         # TE's state_dict is this plus a conversion of "state" (TE 2.20.2 fused_adam.py
-        # L482-513), which DistributedOptimizer.state_dict drops (L866).
+        # L482-513), which DistributedOptimizer.state_dict drops (L866) and load_state_dict
+        # hands back to TE's load_state_dict (L965, L1046; see _inner_load_state_dict).
         return torch.optim.Optimizer.state_dict(inner)
     return original()
 
 
-def _divert_inner_state_dict(optimizer: Any, inner: Any) -> None:
-    """Gives ``inner`` (once) a ``state_dict`` that is torch's while ``_GROUPS_ONLY`` names it."""
+def _inner_load_state_dict(inner: Any, original: Callable[[Any], Any], state_dict: Any) -> Any:
+    params = _live_states_of(inner, state_dict) if id(inner) in _RELOAD.get() else None
+    if params is None:
+        return original(state_dict)
+    return te_load.reload_in_place(inner, state_dict, _te_class(inner), params)
+
+
+def _live_states_of(inner: Any, state_dict: Any) -> list[Any] | None:
+    """The parameters, in ``state_dict`` order, when its states are exactly ``inner``'s live
+    ones (what torch's ``Optimizer.state_dict`` packs); else None."""
+    states = state_dict.get("state") if isinstance(state_dict, dict) else None
+    if not isinstance(states, dict) or len(states) != len(inner.state):
+        return None
+    params = [p for group in inner.param_groups for p in group["params"]]
+    order = []
+    for index, entries in states.items():
+        if not isinstance(index, int) or not 0 <= index < len(params):
+            return None
+        if entries is not inner.state.get(params[index]):
+            return None
+        order.append(params[index])
+    return order
+
+
+def _te_class(inner: Any) -> type:
+    """The TE class whose ``super()`` is torch's Optimizer (what TE's load calls first)."""
+    for cls in type(inner).__mro__:
+        if "load_state_dict" in vars(cls) and torch.optim.Optimizer in cls.__bases__:
+            return cls
+    return type(inner)
+
+
+def _divert_inner(optimizer: Any, inner: Any) -> None:
+    """Gives ``inner`` (once) a ``state_dict`` that is torch's while ``_TORCH_STATE_DICT`` names
+    it, and a ``load_state_dict`` that reloads in place while ``_RELOAD`` names it."""
     diverted = _diverted(optimizer)
     if any(ref() is inner for ref in diverted.inners):
         return
-    _wrap.add_wrapper(inner, "state_dict", _groups_only_state_dict, owner=OWNER)
+    _wrap.add_wrapper(inner, "state_dict", _inner_state_dict, owner=OWNER)
+    _wrap.add_wrapper(inner, "load_state_dict", _inner_load_state_dict, owner=OWNER)
     diverted.inners.append(weakref.ref(inner))
 
 
@@ -425,7 +543,5 @@ def unplace_optimizer(optimizer: object) -> bool:
         for ref in diverted.inners:
             inner = ref()
             if inner is not None:
-                _wrap.remove_wrapper(
-                    inner, "state_dict", owner=OWNER, replaced=_REPLACED, stacklevel=2
-                )
+                _wrap.remove_wrapper(inner, owner=OWNER, replaced=_REPLACED, stacklevel=2)
     return bool(placed)
