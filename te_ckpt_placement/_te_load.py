@@ -128,8 +128,9 @@ def reload_in_place(
     trip leaves each state as ``set_scaled_state(param, name, get_unscaled_state(param, name))``
     (L515-548 with L327-395): FP32 and int16 states as they were, BF16 states rounded back (a
     NaN becomes the canonical one), FP16 and FP8 states rescaled from their absmax. torch's load
-    takes the groups, then each BF16/FP16/FP8 state is set from its own unscaled value by TE's
-    two calls, on the device, one FP32 copy at a time, into the live storage. A failure part-way
+    takes the groups, then each FP16/FP8 state is set from its own unscaled value by TE's two
+    calls, on the device, one FP32 copy at a time, and each BF16 state by TE's two elementwise
+    conversions a piece at a time, into the live storage. A failure part-way
     leaves every state valid: those already set as TE's round trip leaves them, the rest as they
     were.
     """
@@ -151,15 +152,33 @@ def reload_in_place(
         super(owner, optimizer).load_state_dict(stripped)  # type: ignore[arg-type]
     optimizer.state.update(live)
     for param, states in live.items():
-        for name in list(states):
+        for name, value in states.items():
             facts = contract.facts(param, name)
             if facts is None or facts.te_dtype == torch.float32:
                 continue  # TE's round trip copies FP32 states and int16 remainders as they are
-            optimizer.set_scaled_state(param, name, optimizer.get_unscaled_state(param, name))
+            local = value._local_tensor if isinstance(value, DTensor) else value
+            if facts.te_dtype == torch.bfloat16 and local.is_contiguous():
+                _round_bf16_in_place(local)
+            else:
+                optimizer.set_scaled_state(param, name, optimizer.get_unscaled_state(param, name))
             reports.state_written()
     for hook in post_hooks.values():
         hook(optimizer)
     note_loaded(optimizer)
+
+
+#: Elements per piece of :func:`_round_bf16_in_place`: 2 MiB of FP32 on the device at a time.
+_ROUND_PIECE = 1 << 19
+
+
+def _round_bf16_in_place(stored: torch.Tensor) -> None:
+    """A BF16 state set from its own ``get_unscaled_state``: ``stored.float()`` (L348-353), then
+    ``_apply_scale``'s ``copy_(unscaled.bfloat16())`` (L279-281). Both are elementwise, so it is
+    done a piece at a time, with TE's two conversions, instead of on one FP32 copy of the state."""
+    flat = stored.view(-1)
+    for start in range(0, flat.numel(), _ROUND_PIECE):
+        piece = flat[start : start + _ROUND_PIECE]
+        piece.copy_(piece.float().bfloat16())
 
 
 def _device_fp32(value: Any) -> torch.Tensor:

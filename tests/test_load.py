@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from te_ckpt_placement import _ring, export_placement
+from te_ckpt_placement import _te_load as te_load
 
 from .support.helpers import assert_same_export, assert_snapshot_equal, bits, local, snapshot
 from .support.load_cases import (
@@ -998,3 +999,28 @@ def test_load_states_rollback_puts_replaced_states_back(monkeypatch: pytest.Monk
         te_load.load_states(opt, [(p1, "exp_avg", seven), (p2, "exp_avg", seven)], rollback=True)
     assert opt.state[p1]["exp_avg"] is strided
     assert_snapshot_equal(before, snapshot(opt))
+
+
+@pytest.mark.parametrize(("moments", "master"), list(itertools.product(MOMENTS, MASTERS)))
+def test_reload_in_place_equals_tes_round_trip(
+    moments: torch.dtype, master: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What Megatron's load_state_dict does with TE's own export (distrib_optimizer.py L965,
+    # L1046): TE's load_state_dict(state_dict()), here without the export.
+    monkeypatch.setattr(te_load, "_ROUND_PIECE", 4)  # BF16 states in several pieces
+    ours, reference = trained(moments, master, seed=5), trained(moments, master, seed=5)
+    for opt in (ours, reference):  # NaN payloads, -0, denormals in the 16-bit states
+        for p in (p for g in opt.param_groups for p in g["params"]):
+            for name, value in opt.state[p].items():
+                if isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16:
+                    value.copy_(with_special_values(value.float(), offset=len(name)).bfloat16())
+                    raw = value.view(torch.int16).view(-1)
+                    raw[0] = 0x7F81  # a BF16 NaN with a payload: TE's round trip changes it
+    before = storages(ours)
+    with export_placement(None):
+        reference.load_state_dict(reference.state_dict())
+        params = [p for g in ours.param_groups for p in g["params"]]
+        groups = torch.optim.Optimizer.state_dict(ours)
+        te_load.reload_in_place(ours, groups, StandInFusedAdam, params)
+    assert_same_optimizer(ours, reference)
+    assert storages(ours) == before, "the states are set again in place"
