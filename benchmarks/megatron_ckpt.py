@@ -284,10 +284,16 @@ def save(gpt: Any, optimizer: Any, case: Case, ckpt_dir: Path) -> None:
     dist_checkpointing.save(state, str(ckpt_dir), sharded_strategy=strategy)
 
 
-def load(gpt: Any, optimizer: Any, case: Case, ckpt_dir: Path) -> None:
+def load(
+    gpt: Any, optimizer: Any, case: Case, ckpt_dir: Path, phases: dict[str, float] | None = None
+) -> None:
+    """Megatron-LM's load; ``phases`` (if given) receives the seconds of each step: the
+    templates (``sharded_state_dict``, the optimizer's round trip included), the read, the
+    model's and the optimizer's ``load_state_dict``."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
 
+    clock = _Phases(phases)
     model_sd = gpt.sharded_state_dict(metadata=metadata(case))
     state = {
         "model": model_sd,
@@ -295,15 +301,38 @@ def load(gpt: Any, optimizer: Any, case: Case, ckpt_dir: Path) -> None:
             model_sd, is_loading=True, metadata=metadata(case)
         ),
     }
+    clock.lap("templates")
     loaded = dist_checkpointing.load(
         state,
         str(ckpt_dir),
         sharded_strategy=get_default_load_sharded_strategy(str(ckpt_dir)),
     )
+    clock.lap("read")
     # dist_checkpointing has already read the parameters in place; this is Megatron-LM's call.
     missing, unexpected = gpt.load_state_dict(loaded["model"], strict=False)
     assert not unexpected and all(k.endswith("_extra_state") for k in missing), missing
+    clock.lap("model_load_state_dict")
     optimizer.load_state_dict(loaded["optimizer"])
+    clock.lap("optimizer_load_state_dict")
+
+
+class _Phases:
+    """Seconds between laps (the device synchronized at each), into ``phases`` when given."""
+
+    def __init__(self, phases: dict[str, float] | None) -> None:
+        self.phases = phases
+        self.last = self._now()
+
+    def _now(self) -> float:
+        if self.phases is not None and DEVICE == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        if self.phases is not None:
+            now = self._now()
+            self.phases[name] = now - self.last
+            self.last = now
 
 
 # --- what is compared -------------------------------------------------------------------------
@@ -656,6 +685,9 @@ class Run:
             )
             for site in result.get("gpu_peak_live", {}).get("by_site", [])[:4]:
                 print(f"    live at the GPU peak: {site['bytes'] / MI:9.3f} MiB  {site['site']}")
+            if extra.get("phases"):
+                laps = ", ".join(f"{k} {v:.3f} s" for k, v in extra["phases"].items())
+                print(f"    phases: {laps}")
         return result
 
     def run_case(self, case: Case) -> None:
@@ -765,13 +797,17 @@ class Run:
             if mode == "placement_cpu":
                 place_optimizer(optimizer)
             before = _allocated()
+            phases: dict[str, float] = {}
             results[f"load_{mode}"] = self.measure(
                 "megatron_load",
                 case,
                 mode,
                 n,
-                lambda ckpt=ckpt, gpt=gpt, optimizer=optimizer: load(gpt, optimizer, case, ckpt),
+                lambda ckpt=ckpt, gpt=gpt, optimizer=optimizer, phases=phases: load(
+                    gpt, optimizer, case, ckpt, phases
+                ),
                 history=False,
+                phases=phases,  # this rank's, filled by the load
             )
             grown = _allocated() - before
             after[mode] = snapshot(gpt, optimizer)
