@@ -32,7 +32,8 @@ inside a streaming policy (references are megatron-core 0.19.2,
   sit next to the states TE's load allocates; its round trip of TE's ``state_dict`` through TE's
   ``load_state_dict`` (L965, L1046) stays on the device (``te_load.reload_in_place``), and
   ``_set_main_param_and_optimizer_states`` (L1193-1225) writes each loaded state as TE's load
-  does, host tensors through the pinned pipeline (``te_load.load_state``).
+  does, host tensors through the pinned pipeline (``te_load.load_states``; inside
+  ``load_state_dict`` all of them together, when it returns).
 
 Checkpoints stay byte-compatible with Megatron's own. TE's class is not touched and neither is its
 ``get_unscaled_state``: TE's ``step()`` calls that itself (and a step can run inside checkpoint
@@ -160,6 +161,11 @@ _TORCH_STATE_DICT: contextvars.ContextVar[frozenset[int]] = contextvars.ContextV
 # place (te_load.reload_in_place): set only while a placed load_state_dict runs.
 _RELOAD: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
     "te_ckpt_placement_megatron_reload", default=frozenset()
+)
+# The states a placed load_state_dict has read, written together when it returns (one
+# pipeline for all of them): (param, name, value) by DistributedOptimizer id.
+_DEFERRED: contextvars.ContextVar[dict[int, list[tuple[Any, str, Any]]] | None] = (
+    contextvars.ContextVar("te_ckpt_placement_megatron_deferred", default=None)
 )
 # Placed DistributedOptimizers (by id) building a load's template: set only while a placed
 # sharded_state_dict(is_loading=True) runs.
@@ -299,8 +305,16 @@ def _load_state_dict(optimizer: Any, original: Callable[[Any], Any], state_dict:
         # Megatron hands TE's state_dict() back to TE's load_state_dict (L965, L1046): both
         # stay on the device, state by state (te_load.reload_in_place), instead of a whole
         # export to the host and a load back.
-        with _including(_TORCH_STATE_DICT, inner), _including(_RELOAD, inner):
-            return original(state_dict)
+        deferred: list[tuple[Any, str, Any]] = []
+        token = _DEFERRED.set({**(_DEFERRED.get() or {}), id(optimizer): deferred})
+        try:
+            with _including(_TORCH_STATE_DICT, inner), _including(_RELOAD, inner):
+                result = original(state_dict)
+        finally:
+            _DEFERRED.reset(token)
+        # The loaded states, read last by Megatron (L1070-1088), in one pipeline.
+        te_load.load_states(inner, deferred)
+        return result
 
 
 def _sharded_state_dict(optimizer: Any, original: Callable[..., Any], *args: Any, **kw: Any) -> Any:
@@ -375,12 +389,20 @@ def _set_main_param_and_optimizer_states(
     if inner is None or not _precision_aware(optimizer):
         return original(model_param, tensors)
     # L1199-1214, each set_scaled_state (L1211-1214) written as TE's load writes it, host
-    # values through the pinned pipeline (te_load.load_state).
+    # values through the pinned pipeline (te_load): inside load_state_dict, where Megatron sets
+    # the states last, all together when it returns; else now.
     group_index, group_order = optimizer.model_param_group_index_map[model_param]
     param = inner.param_groups[group_index]["params"][group_order]
-    for key, value in tensors.items():
-        if isinstance(value, torch.Tensor):
-            te_load.load_state(inner, param, "master_param" if key == "param" else key, value)
+    states = [
+        (param, "master_param" if key == "param" else key, value)
+        for key, value in tensors.items()
+        if isinstance(value, torch.Tensor)
+    ]
+    deferred = (_DEFERRED.get() or {}).get(id(optimizer))
+    if deferred is not None:  # load_states checks them all before it writes any
+        deferred.extend(states)
+    else:
+        te_load.load_states(inner, states)
     return None
 
 
