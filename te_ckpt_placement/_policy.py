@@ -25,9 +25,9 @@ VALID_CONVERSIONS = ("host", "device")
 
 _VALID_HOST_WORKERS = (
     "None (the default: TE_CKPT_PLACEMENT_HOST_WORKERS if set, else this process's share of "
-    "its CPUs less one), 0 or 1 (no team: convert on the calling thread with torch's intra-op "
-    "threads) or an integer >= 2 (convert on a thread of the package's own whose torch runs "
-    "that many threads)"
+    "its CPUs), 0 or 1 (no team: convert on the calling thread with torch's intra-op threads) "
+    "or an integer >= 2 (convert on a thread of the package's own whose torch runs that many "
+    "threads)"
 )
 
 
@@ -89,11 +89,9 @@ class Placement:
             many threads, so they stay fast when torch runs one thread per rank (torchrun's
             ``OMP_NUM_THREADS=1``); the caller's ``torch.get_num_threads()`` is left as it is.
             ``None`` (default): ``TE_CKPT_PLACEMENT_HOST_WORKERS`` if set, else this process's
-            share of its CPUs less one, for the calling thread, which drives the copies
-            (``len(os.sched_getaffinity(0)) // LOCAL_WORLD_SIZE``, less one from 3 up, at
-            least 1). ``0`` or
-            ``1``: no workers, the conversions run on the calling thread with torch's own
-            intra-op threads. The results are the same bits either way.
+            share of its CPUs (``len(os.sched_getaffinity(0)) // LOCAL_WORLD_SIZE``, at least
+            1). ``0`` or ``1``: no workers, the conversions run on the calling thread with
+            torch's own intra-op threads. The results are the same bits either way.
 
     Example:
         >>> Placement(device="cpu")  # doctest: +NORMALIZE_WHITESPACE

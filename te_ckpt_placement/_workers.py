@@ -43,7 +43,7 @@ import torch
 
 from ._policy import check_host_workers, current_placement
 
-#: Overrides the default team size (this process's share of its CPUs less one); 0 or 1: no team.
+#: Overrides the default team size (this process's share of its CPUs); 0 or 1: no team.
 ENV = "TE_CKPT_PLACEMENT_HOST_WORKERS"
 
 #: The fewest elements a conversion hands to the team: below this the hand-over costs more than
@@ -84,23 +84,9 @@ def local_world_size() -> int:
 
 def default_workers() -> int:
     """The team size without a setting: ``TE_CKPT_PLACEMENT_HOST_WORKERS``, else this process's
-    share of its CPUs less one where the share is 3 or more (at least 1; 1 where the team's size
-    cannot be set).
-
-    The one is the calling thread's: it drives the copies while the team converts. A team of the
-    whole share leaves it no CPU while the team's threads spin between conversions (on one H200
-    host, 16 CPUs, one thread: loads took 0.36-0.61 s with 16 and 0.26-0.48 s with 15,
-    ``benchmarks/results/h200_load_team_ab.json``).
-    """
+    share of its CPUs (at least 1; 1 where the team's size cannot be set)."""
     configured = _configured()
-    return _team_of_share() if configured is None else configured
-
-
-def _team_of_share() -> int:
-    # A share of 2 keeps both: a team of 1 would be no team, and the caller's torch threads
-    # (more than 2 where ranks oversubscribe the host) would convert instead.
-    share = _share()
-    return share - 1 if share > 2 else share
+    return _share() if configured is None else configured
 
 
 def _configured() -> int | None:
@@ -133,8 +119,7 @@ def count() -> int:
     """How many threads the calling thread's host conversions use now (1: no team).
 
     The operation's setting, else the active policy's, else :data:`ENV`'s, else this process's
-    share of its CPUs less one (:func:`default_workers`), unless the share equals torch's
-    intra-op thread count
+    share of its CPUs, unless that equals torch's intra-op thread count
     (``torch.get_num_threads()``; then 1: torch's own threads convert, with no hand-over).
     On the leader it is 1: a task never queues tasks of its own.
     """
@@ -147,12 +132,12 @@ def count() -> int:
     if workers is None:
         workers = _configured()
     if workers is None:
-        if _share() == torch.get_num_threads():
+        workers = _share()
+        if workers == torch.get_num_threads():
             # As many threads as torch's own: the calling thread's torch converts the same way.
             # Fewer torch threads (torchrun's one) or more (ranks oversubscribing the host's
             # CPUs) take the team, which keeps this rank to its share.
             return 1
-        workers = _team_of_share()
     if workers > 1:
         problem = _team_problem()
         if problem is not None:

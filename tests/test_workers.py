@@ -31,9 +31,9 @@ def no_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
 
 @pytest.mark.parametrize(
     ("cpus", "local", "expected"),
-    [(16, "", 15), (16, "2", 7), (16, "3", 4), (3, "4", 1), (3, "", 2), (2, "", 2), (1, "", 1)],
+    [(16, "", 16), (16, "2", 8), (16, "3", 5), (3, "4", 1), (1, "", 1)],
 )
-def test_default_size_is_the_ranks_share_of_the_affinity_mask_less_the_caller(
+def test_default_size_is_the_ranks_share_of_the_affinity_mask(
     no_env: pytest.MonkeyPatch, cpus: int, local: str, expected: int
 ) -> None:
     no_env.setattr(os, "sched_getaffinity", lambda pid: set(range(100, 100 + cpus)))
@@ -519,11 +519,11 @@ def test_the_default_team_stands_aside_for_as_many_torch_threads(
     no_env.setattr(_workers, "_team_problem", lambda: None)
     try:
         torch.set_num_threads(1)
-        assert _workers.count() == 3  # the share less the calling thread
+        assert _workers.count() == 4
         torch.set_num_threads(4)
         assert _workers.count() == 1
         torch.set_num_threads(8)
-        assert _workers.count() == 3
+        assert _workers.count() == 4
         torch.set_num_threads(4)
         with export_placement("cpu", host_workers=4):
             assert _workers.count() == 4
