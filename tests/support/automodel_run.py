@@ -42,6 +42,8 @@ RESUMES = (("placed_sync", True), ("placed_sync", False), ("plain_sync", True))
 ASYNC_RESUME = ("placed_async", True)
 MASTER = "fp32"
 SAVE_STEP = 2
+#: Where the placed recipe's checkpointer keeps the run's SnapshotStager.
+STAGER = "_te_ckpt_placement_stager"
 
 
 def cpu_default_stager(*_: Any, **__: Any) -> Any:
@@ -148,10 +150,26 @@ def save_phase(rank: int, port: int, world: int, tmp: Path, failures: Any) -> No
     for name, (placed, is_async) in SAVES.items():
         run = Run(CPU, mesh, BF16, MASTER, seed=0)
         recipe = recipe_class(placed)(tmp / name, run, is_async=is_async)
+        recipe.load_checkpoint()  # the recipe's setup: nothing to load in a fresh directory
+        stager = getattr(recipe.checkpointer, STAGER, None)
+        prewarmed = None if stager is None else stager.buffer_bytes
         recipe.train(SAVE_STEP, seed=1)
         _record(tmp, f"{name}_at_save", te_full(run))
         try:
             recipe.save_checkpoint(epoch=0, step=SAVE_STEP, train_loss=0.0)
+            stager = getattr(recipe.checkpointer, STAGER, None)
+            staged = None if stager is None or stager.last_report is None else stager.last_report
+            _record(
+                tmp,
+                f"{name}_stager",
+                {
+                    "prewarmed_bytes": prewarmed,
+                    "buffer_bytes": None if stager is None else stager.buffer_bytes,
+                    "allocated_at_save": None
+                    if staged is None
+                    else staged.details.get("allocated_bytes"),
+                },
+            )
             recipe.train(1, seed=1 + SAVE_STEP)  # during the async write
             recipe.checkpointer.async_wait()
             recipe.checkpointer.lifecycle.complete_pending()
@@ -164,7 +182,7 @@ def save_phase(rank: int, port: int, world: int, tmp: Path, failures: Any) -> No
             continue
         recipe._finalize_and_close_checkpointer()
         if placed and is_async:
-            stager = getattr(recipe.checkpointer, "_te_ckpt_placement_stager", None)
+            stager = getattr(recipe.checkpointer, STAGER, None)
             assert stager is None, "close() frees the run's stager"
         _record(tmp, f"{name}_after", te_full(run))
     dist.destroy_process_group()
