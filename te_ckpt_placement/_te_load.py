@@ -148,9 +148,11 @@ def reload_in_place(
         _count_te_cost(contract, plan, bulk_cast=True)
     stripped = dict(state_dict)
     stripped["state"] = {k: {} for k in state_dict["state"]}
-    with post_hooks_deferred(optimizer) as post_hooks:
-        super(owner, optimizer).load_state_dict(stripped)  # type: ignore[arg-type]
-    optimizer.state.update(live)
+    try:
+        with post_hooks_deferred(optimizer) as post_hooks:
+            super(owner, optimizer).load_state_dict(stripped)  # type: ignore[arg-type]
+    finally:  # torch's load empties each param's states: the live ones go back, whatever happens
+        optimizer.state.update(live)
     for param, states in live.items():
         for name, value in states.items():
             facts = contract.facts(param, name)

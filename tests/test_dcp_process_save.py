@@ -279,6 +279,25 @@ def test_prewarm_of_a_fresh_optimizer_leaves_it_fresh_and_fits_its_first_save() 
     stager.close()
 
 
+def test_prewarm_refuses_a_fresh_optimizer_that_is_not_te_and_takes_a_stepped_one() -> None:
+    """A torch optimizer without states has no TE initial states to be sized from, and its
+    export would run torch's fake step (a changed training): refused before anything is
+    staged. Once it has stepped, it stages like any other."""
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    stager = SnapshotStager(pin_memory=False)
+    state = PlacedOptimizerState(model, opt, save="streaming")
+    with pytest.raises(
+        ValueError, match=r"'optim' holds an optimizer of type AdamW, not a TE FusedAdam"
+    ):
+        stager.prewarm({"optim": state})
+    assert not opt.state and stager.buffer_bytes == 0  # no fake step, nothing kept
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    assert stager.prewarm({"optim": state}) > 0
+    stager.close()
+
+
 @pytest.mark.parametrize("host_workers, pooled", [(0, False), (None, True)])
 def test_the_adapters_host_workers_reach_the_writer(
     monkeypatch: pytest.MonkeyPatch, host_workers: int | None, pooled: bool

@@ -98,3 +98,59 @@ def test_async_process_save_is_the_snapshot(phases: Any) -> None:
     _same(loaded, records["placed_async_at_save"], "async save: loaded")
     assert steps == [automodel_run.SAVE_STEP], steps
     _same(continued, records["placed_async_after"], "async save: next step")
+
+
+def _async_recipe(base: type, tmp_path: Path, optimizer: Any, model: Any) -> Any:
+    """A placement recipe of ``base`` with what ``save_checkpoint`` finds and an ``is_async``
+    checkpointer (only its config is read before a save)."""
+    from types import SimpleNamespace
+
+    from te_ckpt_placement.integrations import automodel
+
+    recipe = automodel.placement_recipe(base)()
+    recipe.model = model
+    recipe.optimizer = [optimizer]
+    config = SimpleNamespace(
+        enabled=True, is_async=True, is_peft=False, checkpoint_dir=str(tmp_path)
+    )
+    recipe.checkpointer = SimpleNamespace(config=config)
+    return recipe
+
+
+def test_setup_does_not_prewarm_a_fresh_optimizer_that_is_not_te(tmp_path: Path) -> None:
+    """A fresh torch optimizer has no TE initial states to size the snapshot from, and its export
+    would run torch's fake step: the first save makes the buffers instead, and a warning says so
+    (the recipe's setup goes on)."""
+    import torch
+    from nemo_automodel.recipes.base_recipe import BaseRecipe
+
+    from te_ckpt_placement import export_placement
+    from te_ckpt_placement.integrations import automodel
+
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters())
+    recipe = _async_recipe(BaseRecipe, tmp_path, optimizer, model)
+    with export_placement("cpu"), pytest.warns(RuntimeWarning, match="not a TE FusedAdam"):
+        automodel._prewarm_snapshot(recipe)
+    assert not optimizer.state and not hasattr(recipe.checkpointer, automodel.STAGER)
+
+
+def test_setup_does_not_prewarm_for_a_recipe_with_its_own_save(tmp_path: Path) -> None:
+    """Recipes that override ``save_checkpoint`` (EAGLE, DFlash) may save another model's
+    optimizer: what their first save stages is not known at setup."""
+    import torch
+    from nemo_automodel.recipes.base_recipe import BaseRecipe
+
+    from te_ckpt_placement import export_placement
+    from te_ckpt_placement.integrations import automodel
+
+    class OwnSave(BaseRecipe):  # type: ignore[misc]
+        def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+            raise AssertionError("not called")
+
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters())
+    recipe = _async_recipe(OwnSave, tmp_path, optimizer, model)
+    with export_placement("cpu"), pytest.warns(RuntimeWarning, match="OwnSave has a save_check"):
+        automodel._prewarm_snapshot(recipe)
+    assert not hasattr(recipe.checkpointer, automodel.STAGER)

@@ -450,6 +450,60 @@ def _drop(template: Any, name: str) -> Any:
     return template
 
 
+@pytest.mark.parametrize("rollback", [False, True])
+def test_a_load_writes_the_loaded_states_once_with_the_placements_rollback(
+    api: SimpleNamespace, rollback: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    built = ms.build(api, seed=3)
+    saved = built.optimizer.sharded_state_dict(
+        built.model_sharded_state_dict(), metadata=DP_RESHARDABLE
+    )
+    run = ms.build(api, seed=4)
+    megatron.place_optimizer(run.optimizer, Placement(device="cpu", rollback=rollback))
+    calls: list[tuple[int, bool]] = []
+    real = megatron.te_load.load_states
+
+    def spy(optimizer: Any, states: Any, *, rollback: bool = False) -> None:
+        states = list(states)
+        calls.append((len(states), rollback))
+        real(optimizer, states, rollback=rollback)
+
+    monkeypatch.setattr(megatron.te_load, "load_states", spy)
+    template = run.optimizer.sharded_state_dict(
+        run.model_sharded_state_dict(), is_loading=True, metadata=DP_RESHARDABLE
+    )
+    run.optimizer.load_state_dict(simulate_load(template, saved))
+    # Every parameter's three states, in one call, after Megatron's own load_state_dict.
+    assert calls == [(3 * len(run.params), rollback)]
+    assert_same_raw(run.inner, built.inner)
+
+
+def test_a_loaded_state_that_does_not_fit_changes_no_parameter_state(
+    api: SimpleNamespace,
+) -> None:
+    built = ms.build(api, seed=3)
+    saved = built.optimizer.sharded_state_dict(
+        built.model_sharded_state_dict(), metadata=DP_RESHARDABLE
+    )
+    run = ms.build(api, seed=4)
+    megatron.place_optimizer(run.optimizer)
+    template = run.optimizer.sharded_state_dict(
+        run.model_sharded_state_dict(), is_loading=True, metadata=DP_RESHARDABLE
+    )
+    loaded = simulate_load(template, saved)
+    bucket = next(iter(next(iter(loaded["param_state"][0].values()))))
+    entry = next(e for e in bucket if not e["padding"])
+    entry["exp_avg"] = entry["exp_avg"][:-1]  # one element short: the last parameter's too
+    before = raw_states(run.inner)
+    with pytest.raises(ValueError) as caught:
+        run.optimizer.load_state_dict(loaded)
+    assert any("parameter states themselves are unchanged" in n for n in caught.value.__notes__)
+    after = raw_states(run.inner)
+    assert after.keys() == before.keys()
+    for key in before:
+        assert torch.equal(bits(after[key]), bits(before[key])), key
+
+
 @pytest.mark.parametrize("missing", [None, "exp_avg_sq"], ids=["strict", "non-strict"])
 @pytest.mark.parametrize(("moments", "master"), STORAGE, ids=STORAGE_IDS)
 def test_load_into_a_trained_optimizer_equals_megatrons(

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from .. import _export as engine
 from .. import _host_budget, _pool, _ring
 from .. import _reports as reports
+from .._te_contract import has_contract
 from .._te_initial_states import initialized_for_load
 from .._tensors import local
 from .._tree import iter_tree, map_tree
@@ -256,8 +257,10 @@ class SnapshotStager(AsyncStager):
         The first :meth:`stage` allocates and pins its buffers, blocking training for far longer
         than its copies take; after this, a stage of the same state dict (the same keys, shapes
         and dtypes: pass what ``dcp.async_save`` will be given, ``Stateful`` values included)
-        reuses them and blocks only for the copies. An optimizer that has not stepped yet is sized
-        from TE's initial states, which are taken back. Costs the raw stored bytes of the state dict
+        reuses them and blocks only for the copies. A TE optimizer that has not stepped yet is
+        sized from TE's initial states, which are taken back; any other optimizer must have its
+        states already (``ValueError`` otherwise, before anything is staged: its export would run
+        torch's fake step, which changes training). Costs the raw stored bytes of the state dict
         in host memory, held until :meth:`close` or ``te_ckpt_placement.release_buffers()``, and
         one device-to-host copy of them now (a stage like any other, with its report).
         """
@@ -266,11 +269,20 @@ class SnapshotStager(AsyncStager):
             # states for the sizes and has them taken back: torch's fake step, which the export
             # of a stateless optimizer runs, would change training (TE's first step would count
             # as its second).
-            for value in state_dict.values():
+            for key, value in state_dict.items():
                 if isinstance(value, PlacedOptimizerState):
                     for _, optimizers in value._pairs:
                         for optimizer in optimizers:
-                            fresh.enter_context(initialized_for_load(optimizer))
+                            if has_contract(optimizer):
+                                fresh.enter_context(initialized_for_load(optimizer))
+                            elif not optimizer.state:
+                                raise ValueError(
+                                    f"prewarm sizes an optimizer without states from TE's "
+                                    f"initial states, but {key!r} holds an optimizer of type "
+                                    f"{type(optimizer).__qualname__}, not a TE FusedAdam: "
+                                    "prewarm after its first step, or let the first save "
+                                    "make the buffers"
+                                )
             resolved = {
                 key: value.state_dict() if isinstance(value, Stateful) else value
                 for key, value in state_dict.items()

@@ -40,6 +40,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from te_ckpt_placement import _te_contract as te_contract
 from te_ckpt_placement import _wrap
 from te_ckpt_placement._policy import as_placement, current_placement
 
@@ -248,12 +249,24 @@ def _load_checkpoint(recipe: Any, original: Any, *args: Any, **kwargs: Any) -> A
     return result
 
 
-def _saved_objects(recipe: Any) -> tuple[Any, Any, Any]:
+def _saved_objects(recipe: Any) -> tuple[Any, Any, Any] | str:
     """The model, optimizer and scheduler that ``save_checkpoint`` hands ``save_optimizer``,
     found as it finds them (0.7.0 base_recipe.py: the tracked attributes in sorted order, the
-    teacher model skipped, the last of each kind kept)."""
-    from nemo_automodel.recipes.base_recipe import is_lr_scheduler, is_model, is_optimizer
+    teacher model skipped, the last of each kind kept); or why they cannot be known here."""
+    from nemo_automodel.recipes.base_recipe import (
+        BaseRecipe,
+        is_lr_scheduler,
+        is_model,
+        is_optimizer,
+    )
 
+    saving = next(
+        cls
+        for cls in type(recipe).__mro__
+        if "save_checkpoint" in vars(cls) and cls is not PlacementRecipeMixin
+    )
+    if saving is not BaseRecipe:  # EAGLE, DFlash and others save another model's optimizer
+        return f"{saving.__qualname__} has a save_checkpoint of its own"
     model = optimizer = scheduler = None
     for key in sorted(vars(recipe).get("__state_tracked", ())):
         value = getattr(recipe, key, None)
@@ -265,6 +278,16 @@ def _saved_objects(recipe: Any) -> tuple[Any, Any, Any]:
         elif is_lr_scheduler(value):
             scheduler = value
     return model, optimizer, scheduler
+
+
+def _not_prewarmed(reason: str) -> None:
+    _bounded.warn_once(
+        f"not prewarmed: {reason}",
+        f"te_ckpt_placement: the snapshot buffers of is_async saves are not made at setup: "
+        f"{reason}. The first save makes them (it blocks for the allocation once); later saves "
+        "reuse them.",
+        stacklevel=4,
+    )
 
 
 def _prewarm_snapshot(recipe: Any) -> None:
@@ -285,8 +308,20 @@ def _prewarm_snapshot(recipe: Any) -> None:
         return
     if _unbounded_reason(checkpointer, str(getattr(config, "checkpoint_dir", ""))) is not None:
         return  # save_optimizer keeps Automodel's own path (and says so there)
-    model, optimizer, scheduler = _saved_objects(recipe)
+    found = _saved_objects(recipe)
+    if isinstance(found, str):
+        _not_prewarmed(found)
+        return
+    model, optimizer, scheduler = found
     if model is None or optimizer is None:
+        return
+    fresh_other = [
+        type(o).__qualname__
+        for o in _resume.optimizers_in(optimizer)
+        if not te_contract.has_contract(o) and not o.state
+    ]
+    if fresh_other:  # sized only from TE's initial states; torch's would be its fake step
+        _not_prewarmed(f"{', '.join(fresh_other)} (not a TE FusedAdam) has no state yet")
         return
     from te_ckpt_placement.dcp import SnapshotStager
 

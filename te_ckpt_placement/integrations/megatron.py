@@ -312,8 +312,18 @@ def _load_state_dict(optimizer: Any, original: Callable[[Any], Any], state_dict:
                 result = original(state_dict)
         finally:
             _DEFERRED.reset(token)
+        if not deferred:  # no param_state (the template's own load_state_dict round trip)
+            return result
         # The loaded states, read last by Megatron (L1070-1088), in one pipeline.
-        te_load.load_states(inner, deferred)
+        try:
+            te_load.load_states(inner, deferred, rollback=_rollback())
+        except ValueError as exc:  # checked before any of them was written
+            exc.add_note(
+                "te_ckpt_placement: Megatron's load_state_dict had already loaded the param "
+                "groups (and grad scaler) and set the 16-bit states again from their own "
+                "values; the parameter states themselves are unchanged."
+            )
+            raise
         return result
 
 
@@ -402,8 +412,13 @@ def _set_main_param_and_optimizer_states(
     if deferred is not None:  # load_states checks them all before it writes any
         deferred.extend(states)
     else:
-        te_load.load_states(inner, states)
+        te_load.load_states(inner, states, rollback=_rollback())
     return None
+
+
+def _rollback() -> bool:
+    placement = current_placement()
+    return placement is not None and placement.rollback
 
 
 _IMPLS: dict[str, Callable[..., Any]] = {
