@@ -91,11 +91,6 @@ def test_async_saves_stage_the_raw_snapshot(phases: Any, name: str) -> None:
     stager, details = saves[name]
     assert stager == "SnapshotStager"
     assert details["raw_bytes"] > 0 and details["converted_bytes"] == 0, details
-    # Its buffers were made when the manager was built: the first save allocated nothing, and
-    # training was that of torchtitan's own run (no step taken for the sizes).
-    assert details["allocated_bytes"] == 0, details
-    records = phases[3]
-    _same(records[f"{name}_at_save"], records["plain_sync_at_save"], f"{name}: trained")
 
 
 def test_fresh_run_starts_at_step_one(phases: Any) -> None:

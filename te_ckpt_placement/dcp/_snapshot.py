@@ -260,7 +260,9 @@ class SnapshotStager(AsyncStager):
         reuses them and blocks only for the copies. A TE optimizer that has not stepped yet is
         sized from TE's initial states, which are taken back; any other optimizer must have its
         states already (``ValueError`` otherwise, before anything is staged: its export would run
-        torch's fake step, which changes training). Costs the raw stored bytes of the state dict
+        torch's fake step, which changes training). Only ``PlacedOptimizerState`` values of
+        ``state_dict`` itself are treated so: give optimizers inside other ``Stateful`` values
+        their states first. Costs the raw stored bytes of the state dict
         in host memory, held until :meth:`close` or ``te_ckpt_placement.release_buffers()``, and
         one device-to-host copy of them now (a stage like any other, with its report).
         """

@@ -180,38 +180,6 @@ def _placed(state_dict: dict[str, Any]) -> Any:
     return state
 
 
-def _prewarm(manager: Any) -> None:
-    """The run's snapshot buffers, made at setup (the end of ``CheckpointManager.__init__``,
-    where the model and optimizers exist) from what ``_save`` hands ``dcp_save``
-    (``_flattened_model_states_sd()``, 0.3.0 checkpointer/dcp.py L421), so the first async save
-    blocks only for its copies. Fresh TE optimizers are sized from TE's initial states, taken
-    back afterwards; a fresh optimizer of another kind leaves it to the first save (warned)."""
-    import contextlib
-
-    from te_ckpt_placement._te_contract import has_contract
-    from te_ckpt_placement._te_initial_states import initialized_for_load
-
-    state = manager._flattened_model_states_sd()
-    if _placed(state) is None:  # torchtitan's own save (warned there): nothing of ours to make
-        return
-    optimizers = list(state[_OPTIMIZER].optimizers)
-    fresh_other = [type(o).__qualname__ for o in optimizers if not has_contract(o) and not o.state]
-    if fresh_other:  # its export would run torch's fake step
-        _bounded.warn_once(
-            "not prewarmed: a fresh optimizer that is not a TE FusedAdam",
-            "te_ckpt_placement: the snapshot buffers of async saves are not made at setup: "
-            f"{', '.join(fresh_other)} (not a TE FusedAdam) has no state yet. The first save "
-            "makes them (it blocks for the allocation once); later saves reuse them.",
-            stacklevel=4,
-        )
-        return
-    with contextlib.ExitStack() as fresh:
-        for optimizer in optimizers:
-            if has_contract(optimizer):
-                fresh.enter_context(initialized_for_load(optimizer))
-        manager.stager.prewarm(state)
-
-
 class PlacementCheckpointMixin:
     """Put it first in a ``CheckpointManager`` subclass's bases.
 
@@ -220,9 +188,8 @@ class PlacementCheckpointMixin:
     ``async_mode``: ``"disabled"`` saves synchronously, ``"async"`` stages the raw stored bytes
     with a :class:`~te_ckpt_placement.dcp.SnapshotStager` on the thread executor, and
     ``"async_with_pinned_mem"`` does so into shared memory on the process executor. The stager is
-    ``self.stager``, made once for the run (torchtitan then makes no ``DefaultStager``), its
-    buffers made at setup (:func:`_prewarm`), and closed by torchtitan's ``_close``. ``dcp_load``
-    reads through
+    ``self.stager``, made once for the run (torchtitan then makes no ``DefaultStager``) and closed
+    by torchtitan's ``_close``. ``dcp_load`` reads through
     :class:`~te_ckpt_placement.dcp.StreamingLoadPlanner`. HF-format saves and loads, and
     containers without a placement, keep torchtitan's own code (warned once).
     """
@@ -237,8 +204,6 @@ class PlacementCheckpointMixin:
             # shared memory) when self.stager is None (torchtitan 0.3.0 checkpointer/dcp.py).
             shared = manager.async_mode == "async_with_pinned_mem"
             manager.stager = SnapshotStager(shared_memory=shared)
-            if not getattr(manager, "load_only", False):
-                _prewarm(manager)
 
     def dcp_save(
         self,
