@@ -98,7 +98,7 @@ FINGERPRINTS: dict[str, str] = {
     "_get_main_param_and_optimizer_states": (
         "c7178119fd1fae73afbe283c40de2923eb0022aa0f189275022cfafc10faa6db"
     ),
-    # L1193-1225: reproduced with te_load.load_state for each set_scaled_state.
+    # L1193-1225: reproduced with te_load.load_states for its set_scaled_state calls.
     "_set_main_param_and_optimizer_states": (
         "38261637dc92678dafee7575392004c64ff6009c60477cfb997838ca29c3b366"
     ),
