@@ -30,10 +30,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from . import _reports as reports
-from . import _te_cost, _te_load_check
+from . import _te_cost, _te_load_check, _tensors
 from ._te_contract import Contract
 from ._te_initial_states import group_steps as group_steps
 from ._te_initial_states import initialize_states as initialize_states
@@ -158,7 +157,7 @@ def reload_in_place(
             facts = contract.facts(param, name)
             if facts is None or facts.te_dtype == torch.float32:
                 continue  # TE's round trip copies FP32 states and int16 remainders as they are
-            local = value._local_tensor if isinstance(value, DTensor) else value
+            local = _tensors.local(value)
             if facts.te_dtype == torch.bfloat16 and local.is_contiguous():
                 _round_bf16_in_place(local)
             else:
@@ -185,7 +184,7 @@ def _round_bf16_in_place(stored: torch.Tensor) -> None:
 
 def _device_fp32(value: Any) -> torch.Tensor:
     """A stand-in for TE's FP32 export of ``value`` (same shape and device, no memory)."""
-    local = value._local_tensor if isinstance(value, DTensor) else value
+    local = _tensors.local(value)
     return torch.empty((), dtype=torch.float32, device=local.device).expand(local.shape)
 
 

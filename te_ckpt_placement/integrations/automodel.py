@@ -166,12 +166,7 @@ def _save_optimizer(
     if ctx.stager is not None:  # Automodel's DefaultStager, unused on this route
         ctx.stager.close()
         ctx.stager = None  # so async_wait's _release_async_stager leaves ours alone
-    stager = getattr(checkpointer, STAGER, None)
-    if stager is None:
-        from te_ckpt_placement.dcp import SnapshotStager
-
-        stager = SnapshotStager()
-        setattr(checkpointer, STAGER, stager)
+    stager = _run_stager(checkpointer)
     result = _bounded.save(
         state,
         path,
@@ -182,6 +177,18 @@ def _save_optimizer(
     ctx.future = _bounded.as_response(result)  # Automodel waits on staging_completion
     ctx.staging_active = True
     return None
+
+
+def _run_stager(checkpointer: Any) -> Any:
+    """The run's one ``SnapshotStager`` (made on first use), freed by ``Checkpointer.close``."""
+    stager = getattr(checkpointer, STAGER, None)
+    if stager is None:
+        from te_ckpt_placement.dcp import SnapshotStager
+
+        stager = SnapshotStager()
+        setattr(checkpointer, STAGER, stager)
+        _wrap.add_wrapper(checkpointer, "close", _close, owner=OWNER)  # idempotent
+    return stager
 
 
 def _load_optimizer(
@@ -323,13 +330,7 @@ def _prewarm_snapshot(recipe: Any) -> None:
     if fresh_other:  # sized only from TE's initial states; torch's would be its fake step
         _not_prewarmed(f"{', '.join(fresh_other)} (not a TE FusedAdam) has no state yet")
         return
-    from te_ckpt_placement.dcp import SnapshotStager
-
-    stager = getattr(checkpointer, STAGER, None)
-    if stager is None:
-        stager = SnapshotStager()
-        setattr(checkpointer, STAGER, stager)
-        _wrap.add_wrapper(checkpointer, "close", _close, owner=OWNER)  # frees it
+    stager = _run_stager(checkpointer)
     stager.prewarm(_state(checkpointer, model, optimizer, scheduler, "streaming"))
 
 
