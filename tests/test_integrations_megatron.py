@@ -473,35 +473,51 @@ def test_a_load_writes_the_loaded_states_once_with_the_placements_rollback(
         run.model_sharded_state_dict(), is_loading=True, metadata=DP_RESHARDABLE
     )
     run.optimizer.load_state_dict(simulate_load(template, saved))
-    # Every parameter's three states, in one call, after Megatron's own load_state_dict.
-    assert calls == [(3 * len(run.params), rollback)]
+    # One call after Megatron's own load_state_dict: every parameter's three states with
+    # rollback; without it the two BF16 moments, the int16 remainders having been read in place
+    # (as Megatron's own template is their live tensor).
+    assert calls == [((3 if rollback else 2) * len(run.params), rollback)]
+    report = last_report()
+    assert report is not None and report.details.get("states_read_in_place", 0) == (
+        0 if rollback else len(run.params)
+    )
     assert_same_raw(run.inner, built.inner)
 
 
+@pytest.mark.parametrize("rollback", [False, True])
 def test_a_loaded_state_that_does_not_fit_changes_no_parameter_state(
-    api: SimpleNamespace,
+    api: SimpleNamespace, rollback: bool
 ) -> None:
     built = ms.build(api, seed=3)
     saved = built.optimizer.sharded_state_dict(
         built.model_sharded_state_dict(), metadata=DP_RESHARDABLE
     )
     run = ms.build(api, seed=4)
-    megatron.place_optimizer(run.optimizer)
+    megatron.place_optimizer(run.optimizer, Placement(device="cpu", rollback=rollback))
     template = run.optimizer.sharded_state_dict(
         run.model_sharded_state_dict(), is_loading=True, metadata=DP_RESHARDABLE
     )
+    before = raw_states(run.inner)  # after the template's round trip (L965)
     loaded = simulate_load(template, saved)
     bucket = next(iter(next(iter(loaded["param_state"][0].values()))))
     entry = next(e for e in bucket if not e["padding"])
     entry["exp_avg"] = entry["exp_avg"][:-1]  # one element short: the last parameter's too
-    before = raw_states(run.inner)
     with pytest.raises(ValueError) as caught:
         run.optimizer.load_state_dict(loaded)
-    assert any("parameter states themselves are unchanged" in n for n in caught.value.__notes__)
+    notes = "\n".join(caught.value.__notes__)
+    assert "parameter states it hands over are unchanged" in notes
     after = raw_states(run.inner)
     assert after.keys() == before.keys()
+    # Without rollback the int16 remainders were read into the live states, as Megatron's own
+    # load reads them, and the note says so; with it, every state is as it was.
+    read = {k for k in before if k[2] == "master_param"} if not rollback else set()
+    assert (f"{len(read)} FP32 and int16 states hold the checkpoint's values" in notes) == bool(
+        read
+    )
+    reference = raw_states(built.inner)
     for key in before:
-        assert torch.equal(bits(after[key]), bits(before[key])), key
+        expected = reference[key] if key in read else before[key]
+        assert torch.equal(bits(after[key]), bits(expected)), key
 
 
 @pytest.mark.parametrize("missing", [None, "exp_avg_sq"], ids=["strict", "non-strict"])
@@ -560,13 +576,25 @@ def test_resume_equals_megatrons_and_the_saved_run(
         False,
     )
     # The round trip through TE (L965, L1046) stays on the device: nothing is exported, and
-    # only the 16-bit moments are set again; then each loaded state is written once.
+    # only the 16-bit moments are set again; then each loaded state is written once, except the
+    # FP32 and int16 ones, which the read put in place.
     reset = 0 if moments == torch.float32 else 2
-    assert report.states == (reset + 3) * len(placed.params)
-    assert report.device_to_host_bytes == 0 and report.host_to_device_bytes > 0
-    # The template is empty host tensors of the exported dtypes, nothing read from the states.
+    in_place = 3 if moments == torch.float32 else 1
+    assert report.states == (reset + 3 - in_place) * len(placed.params)
+    assert report.details["states_read_in_place"] == in_place * len(placed.params)
+    assert report.device_to_host_bytes == 0
+    assert (report.host_to_device_bytes > 0) == (moments != torch.float32)
+    # The template: the FP32 and int16 states are their live tensors, as Megatron's own template
+    # is; the others empty host tensors of the exported dtypes, views of one buffer that shares
+    # nothing with the states. Nothing is read from the states.
     templates = placed.extras["templates"]
-    assert assert_fresh_host(iter(templates), placed) >= 3 * len(placed.params)  # and padding
+    live = live_storages(placed)
+    assert sum(t.untyped_storage().data_ptr() in live for t in templates) == in_place * len(
+        placed.params
+    )
+    host = [t for t in templates if t.untyped_storage().data_ptr() not in live]
+    assert all(t.device.type == "cpu" for t in host)
+    assert len(host) >= (3 - in_place) * len(placed.params)  # and padding
     template_report = placed.extras["template_report"]
     assert template_report is not None and template_report.device_to_host_bytes == 0
     assert_same_raw(placed.inner, default.inner)

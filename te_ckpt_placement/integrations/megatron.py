@@ -24,9 +24,12 @@ inside a streaming policy (references are megatron-core 0.19.2,
 - ``state_dict`` (L825-885) keeps only the param groups of its inner ``optimizer.state_dict()``
   (L833, L866): they now come from torch's ``Optimizer.state_dict``, which TE's ``state_dict``
   calls before converting the states that Megatron drops, so no state is exported at all;
-- ``sharded_state_dict(is_loading=True)`` (L1460-1580) builds the load's template from empty host
-  tensors of those dtypes, which the load reads into (a key a non-strict load lacks is dropped
-  from template and result alike, so an empty value never reaches the optimizer);
+- ``sharded_state_dict(is_loading=True)`` (L1460-1580) builds the load's template as Megatron's
+  own does for FP32 and int16 states (their live tensors, read in place), and from empty host
+  tensors of the FP32 dtype for the others, which the load reads into (a key a non-strict load
+  lacks is dropped from template and result alike, so an empty value never reaches the
+  optimizer). With ``Placement(rollback=True)`` every state gets a host tensor, so that a load
+  that fails in the read leaves the live states as they were;
 - ``load_state_dict`` (L887-1088) on an optimizer without state starts from TE's initial states
   (``te_load.initialize_states``) instead of Megatron's dummy GPU states (L974-1020), which would
   sit next to the states TE's load allocates; its round trip of TE's ``state_dict`` through TE's
@@ -61,7 +64,7 @@ from typing import Any
 import torch
 
 from .. import _export as engine
-from .. import _pool, _wrap
+from .. import _pool, _tensors, _wrap
 from .. import _reports as reports
 from .. import _te_contract as te_contract
 from .. import _te_load as te_load
@@ -163,14 +166,25 @@ _RELOAD: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
     "te_ckpt_placement_megatron_reload", default=frozenset()
 )
 # The states a placed load_state_dict has read, written together when it returns (one
-# pipeline for all of them): (param, name, value) by DistributedOptimizer id.
-_DEFERRED: contextvars.ContextVar[dict[int, list[tuple[Any, str, Any]]] | None] = (
-    contextvars.ContextVar("te_ckpt_placement_megatron_deferred", default=None)
+# pipeline for all of them), by DistributedOptimizer id.
+_DEFERRED: contextvars.ContextVar[dict[int, _Deferred] | None] = contextvars.ContextVar(
+    "te_ckpt_placement_megatron_deferred", default=None
 )
-# Placed DistributedOptimizers (by id) building a load's template: set only while a placed
-# sharded_state_dict(is_loading=True) runs.
-_TEMPLATE: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
-    "te_ckpt_placement_megatron_template", default=frozenset()
+
+
+@dataclass
+class _Deferred:
+    """The loaded states to write, ``(param, name, value)``, and how many the read had already
+    put in place (:class:`_Template`)."""
+
+    states: list[tuple[Any, str, Any]] = field(default_factory=list)
+    in_place: int = 0
+
+
+# The template being built for each placed DistributedOptimizer (by id): set only while a
+# placed sharded_state_dict(is_loading=True) runs.
+_TEMPLATE: contextvars.ContextVar[dict[int, _Template] | None] = contextvars.ContextVar(
+    "te_ckpt_placement_megatron_template", default=None
 )
 
 
@@ -305,23 +319,30 @@ def _load_state_dict(optimizer: Any, original: Callable[[Any], Any], state_dict:
         # Megatron hands TE's state_dict() back to TE's load_state_dict (L965, L1046): both
         # stay on the device, state by state (te_load.reload_in_place), instead of a whole
         # export to the host and a load back.
-        deferred: list[tuple[Any, str, Any]] = []
+        deferred = _Deferred()
         token = _DEFERRED.set({**(_DEFERRED.get() or {}), id(optimizer): deferred})
         try:
             with _including(_TORCH_STATE_DICT, inner), _including(_RELOAD, inner):
                 result = original(state_dict)
         finally:
             _DEFERRED.reset(token)
-        if not deferred:  # no param_state (the template's own load_state_dict round trip)
+        if not deferred.states and not deferred.in_place:  # no param_state (a template's)
             return result
         # The loaded states, read last by Megatron (L1070-1088), in one pipeline.
         try:
-            te_load.load_states(inner, deferred, rollback=_rollback())
+            te_load.load_states(inner, deferred.states, rollback=_rollback())
         except ValueError as exc:  # checked before any of them was written
             exc.add_note(
                 "te_ckpt_placement: Megatron's load_state_dict had already loaded the param "
                 "groups (and grad scaler) and set the 16-bit states again from their own "
-                "values; the parameter states themselves are unchanged."
+                "values; the parameter states it hands over are unchanged"
+                + (
+                    f", but {deferred.in_place} FP32 and int16 states hold the checkpoint's "
+                    "values: Megatron's read put them in place, as its own load does (use "
+                    "Placement(rollback=True) to read them into host memory first)."
+                    if deferred.in_place
+                    else "."
+                )
             )
             raise
         return result
@@ -334,10 +355,16 @@ def _sharded_state_dict(optimizer: Any, original: Callable[..., Any], *args: Any
     if not is_loading:
         with reports.operation("export", path="megatron"):
             return original(*args, **kw)
-    # A load's template: every state read for it (L1090-1117) is an empty host tensor that the
-    # load fills, as Megatron's own fully_reshardable template is (empty_data, L1737).
-    with _including(_TEMPLATE, optimizer), reports.operation("load", path="megatron"):
-        return original(*args, **kw)
+    # A load's template (L1090-1117): see _Template.
+    placement = current_placement()
+    assert placement is not None
+    template = _Template(optimizer.optimizer, in_place=not placement.rollback)
+    token = _TEMPLATE.set({**(_TEMPLATE.get() or {}), id(optimizer): template})
+    try:
+        with reports.operation("load", path="megatron"):
+            return original(*args, **kw)
+    finally:
+        _TEMPLATE.reset(token)
 
 
 def _precision_aware(optimizer: Any) -> bool:
@@ -357,9 +384,10 @@ def _get_main_param_and_optimizer_states(
     param = inner.param_groups[group_index]["params"][group_order]
     stored = inner.state[param]
     where = (group_index, group_order)
-    if id(optimizer) in _TEMPLATE.get():
+    template = (_TEMPLATE.get() or {}).get(id(optimizer))
+    if template is not None:
         tensors = {
-            name: _template(inner, param, name, value, placement, where)
+            name: template.state(param, name, value, placement, where)
             for name, value in stored.items()
             if isinstance(value, torch.Tensor)
         }
@@ -380,16 +408,86 @@ def _get_main_param_and_optimizer_states(
     return tensors
 
 
-def _template(
-    inner: Any, param: Any, name: str, value: Any, placement: Placement, where: object
-) -> torch.Tensor:
-    """An empty host tensor of the dtype and shape ``get_unscaled_state`` returns (L327-356)."""
-    facts = te_contract.state_facts(inner, param, name)
-    if facts is None:  # raises the export's error for a state TE does not keep
-        te_contract.describe_state(inner, param, name, value, placement, where)
-    assert facts is not None
-    dtype = torch.int16 if facts.remainder else torch.float32
-    return _pool.empty_host(torch.Size(facts.local_shape), dtype, touch=True)
+class _Template:
+    """The tensors of one load's template, what the checkpoint is read into (L1090-1117).
+
+    A state whose ``get_unscaled_state`` is the live tensor itself (FP32, int16 remainders:
+    L341-347) is read into that tensor, as Megatron's own template is; TE's ``set_scaled_state``
+    would then copy it onto itself (L393-395), so it is not written again. With
+    ``Placement(rollback=True)`` it gets a host tensor like the others instead, so that a load
+    that fails part-way, in the read or after it, leaves every live state as it was. Every other
+    state (BF16, FP16, FP8) is an empty host tensor of the FP32 dtype ``get_unscaled_state``
+    returns (L327-356), as Megatron's own ``fully_reshardable`` template is empty (``empty_data``,
+    L1737). The host tensors are views of one buffer, sized for every state of the optimizer on
+    the first request and faulted in at once on the host workers (huge pages where the kernel
+    gives them), instead of one small fresh allocation per state.
+    """
+
+    def __init__(self, inner: Any, *, in_place: bool) -> None:
+        self.inner = inner
+        self.in_place = in_place
+        self._views: dict[tuple[int, str], torch.Tensor] | None = None
+
+    def state(
+        self, param: Any, name: str, value: Any, placement: Placement, where: object
+    ) -> torch.Tensor:
+        facts = te_contract.state_facts(self.inner, param, name)
+        if facts is None:  # raises the export's error for a state TE does not keep
+            te_contract.describe_state(self.inner, param, name, value, placement, where)
+        assert facts is not None
+        if facts.te_dtype == torch.float32 and self.in_place:
+            return self.inner.get_unscaled_state(param, name)  # the live tensor (L341-347)
+        if self._views is None:
+            self._views = self._allocate()
+        view = self._views.pop((id(param), name), None)
+        if view is None:  # not there on the first request (none is, in Megatron's code)
+            return _pool.empty_host(torch.Size(facts.local_shape), _host_dtype(facts), touch=True)
+        return view
+
+    def _allocate(self) -> dict[tuple[int, str], torch.Tensor]:
+        """A host view for every state that gets one, all in one buffer faulted in now."""
+        planned: list[tuple[tuple[int, str], torch.Size, torch.dtype, int]] = []
+        offset = 0
+        for group in self.inner.param_groups:
+            for param in group["params"]:
+                for name, value in self.inner.state.get(param, {}).items():
+                    facts = te_contract.state_facts(self.inner, param, name)
+                    if not isinstance(value, torch.Tensor) or facts is None:
+                        continue
+                    if facts.te_dtype == torch.float32 and self.in_place:
+                        continue
+                    shape, dtype = torch.Size(facts.local_shape), _host_dtype(facts)
+                    planned.append(((id(param), name), shape, dtype, offset))
+                    offset += -(-shape.numel() * dtype.itemsize // _ALIGN) * _ALIGN
+        buffer = _pool.empty_host(torch.Size([offset]), torch.uint8, touch=True)
+        return {
+            key: buffer[start : start + shape.numel() * dtype.itemsize].view(dtype).view(shape)
+            for key, shape, dtype, start in planned
+        }
+
+
+# Byte alignment of each template view in its buffer.
+_ALIGN = 512
+
+
+def _host_dtype(facts: te_contract.StateFacts) -> torch.dtype:
+    """The dtype of ``get_unscaled_state`` (L327-356): int16 remainders, else FP32."""
+    return torch.int16 if facts.remainder else torch.float32
+
+
+def _read_in_place(inner: Any, param: Any, name: str, value: torch.Tensor) -> bool:
+    """Whether ``value`` is the live state itself, as a template of :class:`_Template` is."""
+    live = inner.state.get(param, {}).get(name)
+    if not isinstance(live, torch.Tensor):
+        return False
+    local = _tensors.local(live)
+    return (
+        value.device == local.device
+        and value.dtype == local.dtype
+        and value.shape == local.shape
+        and value.stride() == local.stride()
+        and value.data_ptr() == local.data_ptr()
+    )
 
 
 def _set_main_param_and_optimizer_states(
@@ -400,17 +498,26 @@ def _set_main_param_and_optimizer_states(
         return original(model_param, tensors)
     # L1199-1214, each set_scaled_state (L1211-1214) written as TE's load writes it, host
     # values through the pinned pipeline (te_load): inside load_state_dict, where Megatron sets
-    # the states last, all together when it returns; else now.
+    # the states last, all together when it returns; else now. A value that is the live FP32
+    # or int16 state itself (read in place, _Template) is where set_scaled_state would copy it.
     group_index, group_order = optimizer.model_param_group_index_map[model_param]
     param = inner.param_groups[group_index]["params"][group_order]
-    states = [
-        (param, "master_param" if key == "param" else key, value)
-        for key, value in tensors.items()
-        if isinstance(value, torch.Tensor)
-    ]
+    states, in_place = [], 0
+    for key, value in tensors.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        name = "master_param" if key == "param" else key
+        if _read_in_place(inner, param, name, value):
+            in_place += 1
+        else:
+            states.append((param, name, value))
+    recorder = reports.active()
+    if in_place and recorder is not None:
+        recorder.detail("states_read_in_place", in_place)
     deferred = (_DEFERRED.get() or {}).get(id(optimizer))
     if deferred is not None:  # load_states checks them all before it writes any
-        deferred.extend(states)
+        deferred.states.extend(states)
+        deferred.in_place += in_place
     else:
         te_load.load_states(inner, states, rollback=_rollback())
     return None
