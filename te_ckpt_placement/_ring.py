@@ -436,7 +436,7 @@ class Uploader:
         # Each block is converted into its slot on the host workers' team where there is one,
         # the next block handed over before this one's upload is queued.
         fill = functools.partial(_to_bf16, whole_vectorized=whole) if bf16 else _host_copy
-        with torch.no_grad(), _workers.Tasks() as tasks:
+        with torch.no_grad(), _workers.Tasks(caller_copies=True) as tasks:
             queued: Any = None  # the previous block: (its conversion, slot, start, count, buf)
             for start, count, index in row_blocks(shape, limit):
                 buf = self._take(count * size).view(dst.dtype)

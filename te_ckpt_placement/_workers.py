@@ -115,12 +115,16 @@ _REQUESTED: contextvars.ContextVar[int | None] = contextvars.ContextVar(
 _local = threading.local()  # .worker: True on the leader thread
 
 
-def count() -> int:
+def count(*, caller_copies: bool = False) -> int:
     """How many threads the calling thread's host conversions use now (1: no team).
 
     The operation's setting, else the active policy's, else :data:`ENV`'s, else this process's
     share of its CPUs, unless that equals torch's intra-op thread count
     (``torch.get_num_threads()``; then 1: torch's own threads convert, with no hand-over).
+    ``caller_copies``: the calling thread has work of its own while the team converts (a load
+    issues each block's copy to the device, and converts the blocks too small to hand over), so
+    the share's team is one smaller, leaving it a CPU; a team one smaller loaded 1.2-1.4x faster
+    on a 16-CPU host (docs/performance-log.md section 13). A setting is used as given.
     On the leader it is 1: a task never queues tasks of its own.
     """
     if getattr(_local, "worker", False):
@@ -138,6 +142,8 @@ def count() -> int:
             # Fewer torch threads (torchrun's one) or more (ranks oversubscribing the host's
             # CPUs) take the team, which keeps this rank to its share.
             return 1
+        if caller_copies and workers > 2:
+            workers -= 1
     if workers > 1:
         problem = _team_problem()
         if problem is not None:
@@ -342,7 +348,7 @@ def threads() -> int:
 
 
 class Tasks:
-    """Tasks run in the order they are given, each waited for through the getter
+    """Tasks run in the order they are given (``caller_copies``: see :func:`count`), each waited for through the getter
     :meth:`submit` returns; the next can be handed over while one runs on the team, so the team
     never waits for the caller between two, and one run on the calling thread starts only once
     those before it have ended. Leaving the block waits for every task, after cancelling those not
@@ -351,8 +357,9 @@ class Tasks:
     or on leaving, the first one not seen yet).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, caller_copies: bool = False) -> None:
         self._futures: list[Future[Any]] = []
+        self._caller_copies = caller_copies  # see count()
 
     def __enter__(self) -> Tasks:
         return self
@@ -373,7 +380,7 @@ class Tasks:
         """``fn(*args)``, on the team where :func:`count` is above 1 and ``elements`` (the
         work's size) is at least :data:`MIN_ELEMENTS`, else now, on the calling thread; returns
         what gives its result."""
-        size = count() if elements >= MIN_ELEMENTS else 1
+        size = count(caller_copies=self._caller_copies) if elements >= MIN_ELEMENTS else 1
         if size < 2:
             # After the tasks handed over before it, as if it had been one of them: they may
             # share a buffer with it (the ring's scratch).

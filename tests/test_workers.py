@@ -14,7 +14,14 @@ from typing import Any
 import pytest
 import torch
 
-from te_ckpt_placement import Placement, _convert, _workers, current_placement, export_placement
+from te_ckpt_placement import (
+    Placement,
+    _convert,
+    _ring,
+    _workers,
+    current_placement,
+    export_placement,
+)
 from te_ckpt_placement._export import StateSource, materialize
 
 from .support import denormals
@@ -529,5 +536,58 @@ def test_the_default_team_stands_aside_for_as_many_torch_threads(
             assert _workers.count() == 4
         no_env.setenv(_workers.ENV, "4")
         assert _workers.count() == 4
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(("cpus", "expected"), [(16, 15), (3, 2), (2, 2), (1, 1)])
+def test_a_loads_default_team_leaves_the_calling_thread_a_cpu(
+    no_env: pytest.MonkeyPatch, cpus: int, expected: int
+) -> None:
+    """A load's calling thread issues the copies while the team converts: without a setting its
+    team is the share less one (from 3 CPUs on); a setting is followed as given."""
+    threads = torch.get_num_threads()
+    no_env.setattr(_workers, "available_cpus", lambda: cpus)
+    no_env.setattr(_workers, "_team_problem", lambda: None)
+    try:
+        torch.set_num_threads(1)
+        assert _workers.count() == cpus
+        assert _workers.count(caller_copies=True) == expected
+        with export_placement("cpu", host_workers=cpus):
+            assert _workers.count(caller_copies=True) == cpus
+        no_env.setenv(_workers.ENV, str(cpus))
+        assert _workers.count(caller_copies=True) == cpus
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_load_hands_its_blocks_to_the_smaller_team(no_env: pytest.MonkeyPatch) -> None:
+    """The streaming load's Uploader asks for the caller-copies team; an export does not."""
+    sizes: list[int] = []
+    real = _workers._hand_over
+
+    def spy(future: Any, fn: Any, args: Any, size: int) -> None:
+        sizes.append(size)
+        real(future, fn, args, size)
+
+    threads = torch.get_num_threads()
+    no_env.setattr(_workers, "available_cpus", lambda: 3)
+    no_env.setattr(_workers, "_team_problem", lambda: None)
+    no_env.setattr(_workers, "_hand_over", spy)
+    try:
+        torch.set_num_threads(1)
+        n = 2 * _workers.MIN_ELEMENTS
+        dst = torch.empty(n, dtype=torch.bfloat16)
+        src = torch.randn(n)
+        with _ring.Uploader(torch.device("cpu")) as up:
+            up.write(dst, src)
+        assert sizes and set(sizes) == {2}
+        assert_bit_equal(dst, src.bfloat16())
+        sizes.clear()
+        out = torch.empty(n)
+        half = src.bfloat16()
+        _ring.stream_into(half, out, _convert.convert_fn(StateSource(kind="upcast", data=half))[1])
+        assert sizes and set(sizes) == {3}
+        assert_bit_equal(out, half.float())
     finally:
         torch.set_num_threads(threads)
