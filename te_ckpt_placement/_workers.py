@@ -348,13 +348,13 @@ def threads() -> int:
 
 
 class Tasks:
-    """Tasks run in the order they are given (``caller_copies``: see :func:`count`), each waited for through the getter
-    :meth:`submit` returns; the next can be handed over while one runs on the team, so the team
-    never waits for the caller between two, and one run on the calling thread starts only once
-    those before it have ended. Leaving the block waits for every task, after cancelling those not
-    started where it is left by an exception or an interrupt: no task outlives the block, nor
-    writes a buffer after it. A failure is re-raised as the task raised it (from its getter,
-    or on leaving, the first one not seen yet).
+    """Tasks run in the order they are given (``caller_copies``: see :func:`count`), each waited
+    for through the getter :meth:`submit` returns; the next can be handed over while one runs on
+    the team, so the team never waits for the caller between two, and one run on the calling
+    thread starts only once those before it have ended. Leaving the block waits for every task,
+    after cancelling those not started where it is left by an exception or an interrupt: no task
+    outlives the block, nor writes a buffer after it. A failure is re-raised as the task raised
+    it (from its getter, or on leaving, the first one not seen yet).
     """
 
     def __init__(self, *, caller_copies: bool = False) -> None:

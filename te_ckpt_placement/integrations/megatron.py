@@ -64,12 +64,13 @@ from typing import Any
 import torch
 
 from .. import _export as engine
-from .. import _pool, _tensors, _wrap
 from .. import _reports as reports
 from .. import _te_contract as te_contract
 from .. import _te_load as te_load
+from .. import _wrap
 from .._policy import Placement, as_placement, current_placement
 from .._versions import installed
+from ._megatron_load import Deferred, Template, live_states_of, read_in_place, te_class
 from ._methods import PlacementLike, place_methods, unplace_methods
 
 __all__ = [
@@ -167,23 +168,14 @@ _RELOAD: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
 )
 # The states a placed load_state_dict has read, written together when it returns (one
 # pipeline for all of them), by DistributedOptimizer id.
-_DEFERRED: contextvars.ContextVar[dict[int, _Deferred] | None] = contextvars.ContextVar(
+_DEFERRED: contextvars.ContextVar[dict[int, Deferred] | None] = contextvars.ContextVar(
     "te_ckpt_placement_megatron_deferred", default=None
 )
 
 
-@dataclass
-class _Deferred:
-    """The loaded states to write, ``(param, name, value)``, and how many the read had already
-    put in place (:class:`_Template`)."""
-
-    states: list[tuple[Any, str, Any]] = field(default_factory=list)
-    in_place: int = 0
-
-
 # The template being built for each placed DistributedOptimizer (by id): set only while a
 # placed sharded_state_dict(is_loading=True) runs.
-_TEMPLATE: contextvars.ContextVar[dict[int, _Template] | None] = contextvars.ContextVar(
+_TEMPLATE: contextvars.ContextVar[dict[int, Template] | None] = contextvars.ContextVar(
     "te_ckpt_placement_megatron_template", default=None
 )
 
@@ -319,7 +311,7 @@ def _load_state_dict(optimizer: Any, original: Callable[[Any], Any], state_dict:
         # Megatron hands TE's state_dict() back to TE's load_state_dict (L965, L1046): both
         # stay on the device, state by state (te_load.reload_in_place), instead of a whole
         # export to the host and a load back.
-        deferred = _Deferred()
+        deferred = Deferred()
         token = _DEFERRED.set({**(_DEFERRED.get() or {}), id(optimizer): deferred})
         try:
             with _including(_TORCH_STATE_DICT, inner), _including(_RELOAD, inner):
@@ -355,10 +347,10 @@ def _sharded_state_dict(optimizer: Any, original: Callable[..., Any], *args: Any
     if not is_loading:
         with reports.operation("export", path="megatron"):
             return original(*args, **kw)
-    # A load's template (L1090-1117): see _Template.
+    # A load's template (L1090-1117): see Template.
     placement = current_placement()
     assert placement is not None
-    template = _Template(optimizer.optimizer, in_place=not placement.rollback)
+    template = Template(optimizer.optimizer, in_place=not placement.rollback)
     token = _TEMPLATE.set({**(_TEMPLATE.get() or {}), id(optimizer): template})
     try:
         with reports.operation("load", path="megatron"):
@@ -408,88 +400,6 @@ def _get_main_param_and_optimizer_states(
     return tensors
 
 
-class _Template:
-    """The tensors of one load's template, what the checkpoint is read into (L1090-1117).
-
-    A state whose ``get_unscaled_state`` is the live tensor itself (FP32, int16 remainders:
-    L341-347) is read into that tensor, as Megatron's own template is; TE's ``set_scaled_state``
-    would then copy it onto itself (L393-395), so it is not written again. With
-    ``Placement(rollback=True)`` it gets a host tensor like the others instead, so that a load
-    that fails part-way, in the read or after it, leaves every live state as it was. Every other
-    state (BF16, FP16, FP8) is an empty host tensor of the FP32 dtype ``get_unscaled_state``
-    returns (L327-356), as Megatron's own ``fully_reshardable`` template is empty (``empty_data``,
-    L1737). The host tensors are views of one buffer, sized for every state of the optimizer on
-    the first request and faulted in at once on the host workers (huge pages where the kernel
-    gives them), instead of one small fresh allocation per state.
-    """
-
-    def __init__(self, inner: Any, *, in_place: bool) -> None:
-        self.inner = inner
-        self.in_place = in_place
-        self._views: dict[tuple[int, str], torch.Tensor] | None = None
-
-    def state(
-        self, param: Any, name: str, value: Any, placement: Placement, where: object
-    ) -> torch.Tensor:
-        facts = te_contract.state_facts(self.inner, param, name)
-        if facts is None:  # raises the export's error for a state TE does not keep
-            te_contract.describe_state(self.inner, param, name, value, placement, where)
-        assert facts is not None
-        if facts.te_dtype == torch.float32 and self.in_place:
-            return self.inner.get_unscaled_state(param, name)  # the live tensor (L341-347)
-        if self._views is None:
-            self._views = self._allocate()
-        view = self._views.pop((id(param), name), None)
-        if view is None:  # not there on the first request (none is, in Megatron's code)
-            return _pool.empty_host(torch.Size(facts.local_shape), _host_dtype(facts), touch=True)
-        return view
-
-    def _allocate(self) -> dict[tuple[int, str], torch.Tensor]:
-        """A host view for every state that gets one, all in one buffer faulted in now."""
-        planned: list[tuple[tuple[int, str], torch.Size, torch.dtype, int]] = []
-        offset = 0
-        for group in self.inner.param_groups:
-            for param in group["params"]:
-                for name, value in self.inner.state.get(param, {}).items():
-                    facts = te_contract.state_facts(self.inner, param, name)
-                    if not isinstance(value, torch.Tensor) or facts is None:
-                        continue
-                    if facts.te_dtype == torch.float32 and self.in_place:
-                        continue
-                    shape, dtype = torch.Size(facts.local_shape), _host_dtype(facts)
-                    planned.append(((id(param), name), shape, dtype, offset))
-                    offset += -(-shape.numel() * dtype.itemsize // _ALIGN) * _ALIGN
-        buffer = _pool.empty_host(torch.Size([offset]), torch.uint8, touch=True)
-        return {
-            key: buffer[start : start + shape.numel() * dtype.itemsize].view(dtype).view(shape)
-            for key, shape, dtype, start in planned
-        }
-
-
-# Byte alignment of each template view in its buffer.
-_ALIGN = 512
-
-
-def _host_dtype(facts: te_contract.StateFacts) -> torch.dtype:
-    """The dtype of ``get_unscaled_state`` (L327-356): int16 remainders, else FP32."""
-    return torch.int16 if facts.remainder else torch.float32
-
-
-def _read_in_place(inner: Any, param: Any, name: str, value: torch.Tensor) -> bool:
-    """Whether ``value`` is the live state itself, as a template of :class:`_Template` is."""
-    live = inner.state.get(param, {}).get(name)
-    if not isinstance(live, torch.Tensor):
-        return False
-    local = _tensors.local(live)
-    return (
-        value.device == local.device
-        and value.dtype == local.dtype
-        and value.shape == local.shape
-        and value.stride() == local.stride()
-        and value.data_ptr() == local.data_ptr()
-    )
-
-
 def _set_main_param_and_optimizer_states(
     optimizer: Any, original: Callable[[Any, Any], Any], model_param: Any, tensors: Any
 ) -> Any:
@@ -499,7 +409,7 @@ def _set_main_param_and_optimizer_states(
     # L1199-1214, each set_scaled_state (L1211-1214) written as TE's load writes it, host
     # values through the pinned pipeline (te_load): inside load_state_dict, where Megatron sets
     # the states last, all together when it returns; else now. A value that is the live FP32
-    # or int16 state itself (read in place, _Template) is where set_scaled_state would copy it.
+    # or int16 state itself (read in place, Template) is where set_scaled_state would copy it.
     group_index, group_order = optimizer.model_param_group_index_map[model_param]
     param = inner.param_groups[group_index]["params"][group_order]
     states, in_place = [], 0
@@ -507,7 +417,7 @@ def _set_main_param_and_optimizer_states(
         if not isinstance(value, torch.Tensor):
             continue
         name = "master_param" if key == "param" else key
-        if _read_in_place(inner, param, name, value):
+        if read_in_place(inner, param, name, value):
             in_place += 1
         else:
             states.append((param, name, value))
@@ -546,35 +456,10 @@ def _inner_state_dict(inner: Any, original: Callable[[], Any]) -> Any:
 
 
 def _inner_load_state_dict(inner: Any, original: Callable[[Any], Any], state_dict: Any) -> Any:
-    params = _live_states_of(inner, state_dict) if id(inner) in _RELOAD.get() else None
+    params = live_states_of(inner, state_dict) if id(inner) in _RELOAD.get() else None
     if params is None:
         return original(state_dict)
-    return te_load.reload_in_place(inner, state_dict, _te_class(inner), params)
-
-
-def _live_states_of(inner: Any, state_dict: Any) -> list[Any] | None:
-    """The parameters, in ``state_dict`` order, when its states are exactly ``inner``'s live
-    ones (what torch's ``Optimizer.state_dict`` packs); else None."""
-    states = state_dict.get("state") if isinstance(state_dict, dict) else None
-    if not isinstance(states, dict) or len(states) != len(inner.state):
-        return None
-    params = [p for group in inner.param_groups for p in group["params"]]
-    order = []
-    for index, entries in states.items():
-        if not isinstance(index, int) or not 0 <= index < len(params):
-            return None
-        if entries is not inner.state.get(params[index]):
-            return None
-        order.append(params[index])
-    return order
-
-
-def _te_class(inner: Any) -> type:
-    """The TE class whose ``super()`` is torch's Optimizer (what TE's load calls first)."""
-    for cls in type(inner).__mro__:
-        if "load_state_dict" in vars(cls) and torch.optim.Optimizer in cls.__bases__:
-            return cls
-    return type(inner)
+    return te_load.reload_in_place(inner, state_dict, te_class(inner), params)
 
 
 def _divert_inner(optimizer: Any, inner: Any) -> None:

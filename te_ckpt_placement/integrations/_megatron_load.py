@@ -1,0 +1,133 @@
+"""Megatron loads: the template the checkpoint is read into, and the states it hands over.
+
+References are megatron-core 0.19.2 ``megatron/core/optimizer/distrib_optimizer.py`` and TE 2.20.2
+``transformer_engine/pytorch/optimizers/fused_adam.py``
+(https://github.com/NVIDIA/TransformerEngine/blob/v2.20.2/transformer_engine/pytorch/optimizers/fused_adam.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import _pool, _tensors
+from .. import _te_contract as te_contract
+from .._policy import Placement
+
+
+@dataclass
+class Deferred:
+    """The loaded states to write, ``(param, name, value)``, and how many the read had already
+    put in place (:class:`Template`)."""
+
+    states: list[tuple[Any, str, Any]] = field(default_factory=list)
+    in_place: int = 0
+
+
+class Template:
+    """The tensors of one load's template, what the checkpoint is read into (L1090-1117).
+
+    A state whose ``get_unscaled_state`` is the live tensor itself (FP32, int16 remainders:
+    L341-347) is read into that tensor, as Megatron's own template is; TE's ``set_scaled_state``
+    would then copy it onto itself (L393-395), so it is not written again. With
+    ``Placement(rollback=True)`` it gets a host tensor like the others instead, so that a load
+    that fails part-way, in the read or after it, leaves every live state as it was. Every other
+    state (BF16, FP16, FP8) is an empty host tensor of the FP32 dtype ``get_unscaled_state``
+    returns (L327-356), as Megatron's own ``fully_reshardable`` template is empty (``empty_data``,
+    L1737). The host tensors are views of one buffer, sized for every state of the optimizer on
+    the first request and faulted in at once on the host workers (huge pages where the kernel
+    gives them), instead of one small fresh allocation per state.
+    """
+
+    def __init__(self, inner: Any, *, in_place: bool) -> None:
+        self.inner = inner
+        self.in_place = in_place
+        self._views: dict[tuple[int, str], torch.Tensor] | None = None
+
+    def state(
+        self, param: Any, name: str, value: Any, placement: Placement, where: object
+    ) -> torch.Tensor:
+        facts = te_contract.state_facts(self.inner, param, name)
+        if facts is None:  # raises the export's error for a state TE does not keep
+            te_contract.describe_state(self.inner, param, name, value, placement, where)
+        assert facts is not None
+        if facts.te_dtype == torch.float32 and self.in_place:
+            return self.inner.get_unscaled_state(param, name)  # the live tensor (L341-347)
+        if self._views is None:
+            self._views = self._allocate()
+        view = self._views.pop((id(param), name), None)
+        if view is None:  # not there on the first request (none is, in Megatron's code)
+            return _pool.empty_host(torch.Size(facts.local_shape), host_dtype(facts), touch=True)
+        return view
+
+    def _allocate(self) -> dict[tuple[int, str], torch.Tensor]:
+        """A host view for every state that gets one, all in one buffer faulted in now."""
+        planned: list[tuple[tuple[int, str], torch.Size, torch.dtype, int]] = []
+        offset = 0
+        for group in self.inner.param_groups:
+            for param in group["params"]:
+                for name, value in self.inner.state.get(param, {}).items():
+                    facts = te_contract.state_facts(self.inner, param, name)
+                    if not isinstance(value, torch.Tensor) or facts is None:
+                        continue
+                    if facts.te_dtype == torch.float32 and self.in_place:
+                        continue
+                    shape, dtype = torch.Size(facts.local_shape), host_dtype(facts)
+                    planned.append(((id(param), name), shape, dtype, offset))
+                    offset += -(-shape.numel() * dtype.itemsize // ALIGN) * ALIGN
+        buffer = _pool.empty_host(torch.Size([offset]), torch.uint8, touch=True)
+        return {
+            key: buffer[start : start + shape.numel() * dtype.itemsize].view(dtype).view(shape)
+            for key, shape, dtype, start in planned
+        }
+
+
+# Byte alignment of each template view in its buffer.
+ALIGN = 512
+
+
+def host_dtype(facts: te_contract.StateFacts) -> torch.dtype:
+    """The dtype of ``get_unscaled_state`` (L327-356): int16 remainders, else FP32."""
+    return torch.int16 if facts.remainder else torch.float32
+
+
+def read_in_place(inner: Any, param: Any, name: str, value: torch.Tensor) -> bool:
+    """Whether ``value`` is the live state itself, as a template of :class:`Template` is."""
+    live = inner.state.get(param, {}).get(name)
+    if not isinstance(live, torch.Tensor):
+        return False
+    local = _tensors.local(live)
+    return (
+        value.device == local.device
+        and value.dtype == local.dtype
+        and value.shape == local.shape
+        and value.stride() == local.stride()
+        and value.data_ptr() == local.data_ptr()
+    )
+
+
+def live_states_of(inner: Any, state_dict: Any) -> list[Any] | None:
+    """The parameters, in ``state_dict`` order, when its states are exactly ``inner``'s live
+    ones (what torch's ``Optimizer.state_dict`` packs); else None."""
+    states = state_dict.get("state") if isinstance(state_dict, dict) else None
+    if not isinstance(states, dict) or len(states) != len(inner.state):
+        return None
+    params = [p for group in inner.param_groups for p in group["params"]]
+    order = []
+    for index, entries in states.items():
+        if not isinstance(index, int) or not 0 <= index < len(params):
+            return None
+        if entries is not inner.state.get(params[index]):
+            return None
+        order.append(params[index])
+    return order
+
+
+def te_class(inner: Any) -> type:
+    """The TE class whose ``super()`` is torch's Optimizer (what TE's load calls first)."""
+    for cls in type(inner).__mro__:
+        if "load_state_dict" in vars(cls) and torch.optim.Optimizer in cls.__bases__:
+            return cls
+    return type(inner)
