@@ -234,13 +234,18 @@ def run_case(
                     )
 
         if "load" in ops:
+            from te_ckpt_placement import _workers
+
+            # A load's team: without a setting, one smaller than an export's (_workers.count).
+            used = _workers.count(caller_copies=True) if tags["host_workers"] else 0
+            load_tags = {**tags, "host_workers": used if used > 1 else 0}
             for rec in load_case(opt, base, bw, device=device, largest=largest):
                 mode = rec.pop("mode")
                 add(
                     "load",
                     mode,
                     rec,
-                    **(te_tags if mode == "te_default" else tags),
+                    **(te_tags if mode == "te_default" else load_tags),
                 )
 
     from te_ckpt_placement import release_buffers
