@@ -143,16 +143,6 @@ def _span(t: Any, written: bool, job: int) -> _Span | None:
     return _Span(device, first, first + (extent + 1) * size, written, job)
 
 
-def _identical(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (
-        a.dtype == b.dtype
-        and a.device == b.device
-        and a.shape == b.shape
-        and a.stride() == b.stride()
-        and a.data_ptr() == b.data_ptr()
-    )
-
-
 def _aliased(optimizer: Any, jobs: list[Job]) -> set[int]:
     """The jobs whose live state shares memory with a checkpoint value.
 
@@ -187,7 +177,7 @@ def _aliased(optimizer: Any, jobs: list[Job]) -> set[int]:
             job = jobs[dst.job]
             if dst.job == src.job and _raw_write(optimizer, job) and _plain(job.local):
                 live = _tensors.local(optimizer.state[job.param][job.name])
-                if _identical(live, job.local):
+                if _tensors.identical(live, job.local):
                     continue
             clobbered.add(dst.job)
         active.append(span)

@@ -16,6 +16,18 @@ def local(tensor: Any) -> Any:
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
+def identical(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same elements of the same memory (a copy of one onto the
+    other changes nothing)."""
+    return (
+        a.dtype == b.dtype
+        and a.device == b.device
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.data_ptr() == b.data_ptr()
+    )
+
+
 def to_cpu_dtensor(local: torch.Tensor, like: DTensor) -> DTensor:
     """Wraps a host tensor as a DTensor with ``like``'s mesh, placements, global shape and stride.
 

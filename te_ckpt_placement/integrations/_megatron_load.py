@@ -98,14 +98,7 @@ def read_in_place(inner: Any, param: Any, name: str, value: torch.Tensor) -> boo
     live = inner.state.get(param, {}).get(name)
     if not isinstance(live, torch.Tensor):
         return False
-    local = _tensors.local(live)
-    return (
-        value.device == local.device
-        and value.dtype == local.dtype
-        and value.shape == local.shape
-        and value.stride() == local.stride()
-        and value.data_ptr() == local.data_ptr()
-    )
+    return _tensors.identical(value, _tensors.local(live))
 
 
 def live_states_of(inner: Any, state_dict: Any) -> list[Any] | None:
