@@ -450,16 +450,25 @@ def _drop(template: Any, name: str) -> Any:
     return template
 
 
-@pytest.mark.parametrize("rollback", [False, True])
-def test_a_load_writes_the_loaded_states_once_with_the_placements_rollback(
-    api: SimpleNamespace, rollback: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _placed_template(api: SimpleNamespace, rollback: bool) -> tuple[ms.Built, Any, ms.Built, Any]:
+    """A saved run's checkpoint, and another run placed with ``rollback`` and its load template."""
     built = ms.build(api, seed=3)
     saved = built.optimizer.sharded_state_dict(
         built.model_sharded_state_dict(), metadata=DP_RESHARDABLE
     )
     run = ms.build(api, seed=4)
     megatron.place_optimizer(run.optimizer, Placement(device="cpu", rollback=rollback))
+    template = run.optimizer.sharded_state_dict(
+        run.model_sharded_state_dict(), is_loading=True, metadata=DP_RESHARDABLE
+    )
+    return built, saved, run, template
+
+
+@pytest.mark.parametrize("rollback", [False, True])
+def test_a_load_writes_the_loaded_states_once_with_the_placements_rollback(
+    api: SimpleNamespace, rollback: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    built, saved, run, template = _placed_template(api, rollback)
     calls: list[tuple[int, bool]] = []
     real = megatron.te_load.load_states
 
@@ -469,9 +478,6 @@ def test_a_load_writes_the_loaded_states_once_with_the_placements_rollback(
         real(optimizer, states, rollback=rollback)
 
     monkeypatch.setattr(megatron.te_load, "load_states", spy)
-    template = run.optimizer.sharded_state_dict(
-        run.model_sharded_state_dict(), is_loading=True, metadata=DP_RESHARDABLE
-    )
     run.optimizer.load_state_dict(simulate_load(template, saved))
     # One call after Megatron's own load_state_dict: every parameter's three states with
     # rollback; without it the two BF16 moments, the int16 remainders having been read in place
@@ -488,15 +494,7 @@ def test_a_load_writes_the_loaded_states_once_with_the_placements_rollback(
 def test_a_loaded_state_that_does_not_fit_changes_no_parameter_state(
     api: SimpleNamespace, rollback: bool
 ) -> None:
-    built = ms.build(api, seed=3)
-    saved = built.optimizer.sharded_state_dict(
-        built.model_sharded_state_dict(), metadata=DP_RESHARDABLE
-    )
-    run = ms.build(api, seed=4)
-    megatron.place_optimizer(run.optimizer, Placement(device="cpu", rollback=rollback))
-    template = run.optimizer.sharded_state_dict(
-        run.model_sharded_state_dict(), is_loading=True, metadata=DP_RESHARDABLE
-    )
+    built, saved, run, template = _placed_template(api, rollback)
     before = raw_states(run.inner)  # after the template's round trip (L965)
     loaded = simulate_load(template, saved)
     bucket = next(iter(next(iter(loaded["param_state"][0].values()))))
