@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -34,6 +35,20 @@ def no_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     monkeypatch.delenv(_workers.ENV, raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     return monkeypatch
+
+
+@pytest.fixture
+def cpus(no_env: pytest.MonkeyPatch) -> Iterator[Callable[[int], None]]:
+    """Sets how many CPUs this process may run on (where a team can be made); torch's intra-op
+    thread count is restored afterwards."""
+    threads = torch.get_num_threads()
+
+    def set_cpus(n: int) -> None:
+        no_env.setattr(_workers, "available_cpus", lambda: n)
+        no_env.setattr(_workers, "_team_problem", lambda: None)
+
+    yield set_cpus
+    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize(
@@ -515,53 +530,45 @@ def test_a_leader_that_fails_to_start_is_not_kept(monkeypatch: pytest.MonkeyPatc
 
 
 def test_the_default_team_stands_aside_for_as_many_torch_threads(
-    no_env: pytest.MonkeyPatch,
+    no_env: pytest.MonkeyPatch, cpus: Callable[[int], None]
 ) -> None:
     """Without a setting, the team converts where torch has fewer threads than the rank's share
     (torchrun's one per rank) or more (ranks oversubscribing the host); with exactly as many,
     the calling thread's torch converts. A setting (the policy's, or the environment variable)
     is followed as given."""
-    threads = torch.get_num_threads()
-    no_env.setattr(_workers, "available_cpus", lambda: 4)
-    no_env.setattr(_workers, "_team_problem", lambda: None)
-    try:
-        torch.set_num_threads(1)
+    cpus(4)
+    torch.set_num_threads(1)
+    assert _workers.count() == 4
+    torch.set_num_threads(4)
+    assert _workers.count() == 1
+    torch.set_num_threads(8)
+    assert _workers.count() == 4
+    torch.set_num_threads(4)
+    with export_placement("cpu", host_workers=4):
         assert _workers.count() == 4
-        torch.set_num_threads(4)
-        assert _workers.count() == 1
-        torch.set_num_threads(8)
-        assert _workers.count() == 4
-        torch.set_num_threads(4)
-        with export_placement("cpu", host_workers=4):
-            assert _workers.count() == 4
-        no_env.setenv(_workers.ENV, "4")
-        assert _workers.count() == 4
-    finally:
-        torch.set_num_threads(threads)
+    no_env.setenv(_workers.ENV, "4")
+    assert _workers.count() == 4
 
 
-@pytest.mark.parametrize(("cpus", "expected"), [(16, 15), (3, 2), (2, 2), (1, 1)])
+@pytest.mark.parametrize(("share", "expected"), [(16, 15), (3, 2), (2, 2), (1, 1)])
 def test_a_loads_default_team_leaves_the_calling_thread_a_cpu(
-    no_env: pytest.MonkeyPatch, cpus: int, expected: int
+    no_env: pytest.MonkeyPatch, cpus: Callable[[int], None], share: int, expected: int
 ) -> None:
     """A load's calling thread issues the copies while the team converts: without a setting its
     team is the share less one (from 3 CPUs on); a setting is followed as given."""
-    threads = torch.get_num_threads()
-    no_env.setattr(_workers, "available_cpus", lambda: cpus)
-    no_env.setattr(_workers, "_team_problem", lambda: None)
-    try:
-        torch.set_num_threads(1)
-        assert _workers.count() == cpus
-        assert _workers.count(caller_copies=True) == expected
-        with export_placement("cpu", host_workers=cpus):
-            assert _workers.count(caller_copies=True) == cpus
-        no_env.setenv(_workers.ENV, str(cpus))
-        assert _workers.count(caller_copies=True) == cpus
-    finally:
-        torch.set_num_threads(threads)
+    cpus(share)
+    torch.set_num_threads(1)
+    assert _workers.count() == share
+    assert _workers.count(caller_copies=True) == expected
+    with export_placement("cpu", host_workers=share):
+        assert _workers.count(caller_copies=True) == share
+    no_env.setenv(_workers.ENV, str(share))
+    assert _workers.count(caller_copies=True) == share
 
 
-def test_a_load_hands_its_blocks_to_the_smaller_team(no_env: pytest.MonkeyPatch) -> None:
+def test_a_load_hands_its_blocks_to_the_smaller_team(
+    no_env: pytest.MonkeyPatch, cpus: Callable[[int], None]
+) -> None:
     """The streaming load's Uploader asks for the caller-copies team; an export does not."""
     sizes: list[int] = []
     real = _workers._hand_over
@@ -570,24 +577,19 @@ def test_a_load_hands_its_blocks_to_the_smaller_team(no_env: pytest.MonkeyPatch)
         sizes.append(size)
         real(future, fn, args, size)
 
-    threads = torch.get_num_threads()
-    no_env.setattr(_workers, "available_cpus", lambda: 3)
-    no_env.setattr(_workers, "_team_problem", lambda: None)
+    cpus(3)
     no_env.setattr(_workers, "_hand_over", spy)
-    try:
-        torch.set_num_threads(1)
-        n = 2 * _workers.MIN_ELEMENTS
-        dst = torch.empty(n, dtype=torch.bfloat16)
-        src = torch.randn(n)
-        with _ring.Uploader(torch.device("cpu")) as up:
-            up.write(dst, src)
-        assert sizes and set(sizes) == {2}
-        assert_bit_equal(dst, src.bfloat16())
-        sizes.clear()
-        out = torch.empty(n)
-        half = src.bfloat16()
-        _ring.stream_into(half, out, _convert.convert_fn(StateSource(kind="upcast", data=half))[1])
-        assert sizes and set(sizes) == {3}
-        assert_bit_equal(out, half.float())
-    finally:
-        torch.set_num_threads(threads)
+    torch.set_num_threads(1)
+    n = 2 * _workers.MIN_ELEMENTS
+    dst = torch.empty(n, dtype=torch.bfloat16)
+    src = torch.randn(n)
+    with _ring.Uploader(torch.device("cpu")) as up:
+        up.write(dst, src)
+    assert sizes and set(sizes) == {2}
+    assert_bit_equal(dst, src.bfloat16())
+    sizes.clear()
+    out = torch.empty(n)
+    half = src.bfloat16()
+    _ring.stream_into(half, out, _convert.convert_fn(StateSource(kind="upcast", data=half))[1])
+    assert sizes and set(sizes) == {3}
+    assert_bit_equal(out, half.float())
