@@ -108,7 +108,9 @@ class TransferReport:
             current CUDA stream (a load's FP16/FP8 scaling) may still be running.
         path: The code path that streamed (see :data:`Path`).
         wait_seconds: Time spent waiting for a staging ring's copies.
-        details: Path-specific counts (read-only), empty for ``state_dict`` and ``load_states``.
+        details: Path-specific counts (read-only), empty for ``state_dict`` and ``load_states``;
+            for ``megatron``, ``states_read_in_place``: the FP32 and int16 states a load's read
+            put into the live tensors (not counted in ``states``).
     """
 
     op: Op

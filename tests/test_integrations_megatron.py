@@ -7,9 +7,10 @@ TE is the CPU stand-in of ``tests/support/standin.py``, hooked like TE's class.
 ``TE_CKPT_REQUIRE_MEGATRON=1`` (the GPU session) turns a megatron-core that does not import into a
 failure instead of a skip.
 
-What they prove: placed, every parameter state Megatron reads for a checkpoint is a fresh host
-tensor with exactly the dtype and bits of TE's ``get_unscaled_state``, produced without calling
-it (no device conversion); ``state_dict()`` exports nothing; a fresh optimizer loads without
+What they prove: placed, every parameter state Megatron reads for a save is a fresh host tensor
+with exactly the dtype and bits of TE's ``get_unscaled_state``, produced without calling it (no
+device conversion), and a load's template is the live FP32 and int16 states and fresh host tensors
+for the others; ``state_dict()`` exports nothing; a fresh optimizer loads without
 Megatron's dummy states; checkpoints and loaded states equal Megatron's own; nothing changes
 outside the policy; an unknown Megatron is refused before anything changes.
 """
@@ -503,7 +504,7 @@ def test_a_loaded_state_that_does_not_fit_changes_no_parameter_state(
     with pytest.raises(ValueError) as caught:
         run.optimizer.load_state_dict(loaded)
     notes = "\n".join(caught.value.__notes__)
-    assert "parameter states it hands over are unchanged" in notes
+    assert "parameter states it hands over in host memory are unchanged" in notes
     after = raw_states(run.inner)
     assert after.keys() == before.keys()
     # Without rollback the int16 remainders were read into the live states, as Megatron's own
@@ -583,16 +584,16 @@ def test_resume_equals_megatrons_and_the_saved_run(
     assert report.device_to_host_bytes == 0
     assert (report.host_to_device_bytes > 0) == (moments != torch.float32)
     # The template: the FP32 and int16 states are their live tensors, as Megatron's own template
-    # is; the others empty host tensors of the exported dtypes, views of one buffer that shares
-    # nothing with the states. Nothing is read from the states.
+    # is; the others empty host tensors of the exported dtypes, each owning exactly its bytes
+    # (a view of a larger buffer would pickle all of it) and sharing nothing with the states.
+    # Nothing is read from the states.
     templates = placed.extras["templates"]
     live = live_storages(placed)
     assert sum(t.untyped_storage().data_ptr() in live for t in templates) == in_place * len(
         placed.params
     )
     host = [t for t in templates if t.untyped_storage().data_ptr() not in live]
-    assert all(t.device.type == "cpu" for t in host)
-    assert len(host) >= (3 - in_place) * len(placed.params)  # and padding
+    assert assert_fresh_host(iter(host), placed) >= (3 - in_place) * len(placed.params)
     template_report = placed.extras["template_report"]
     assert template_report is not None and template_report.device_to_host_bytes == 0
     assert_same_raw(placed.inner, default.inner)

@@ -33,18 +33,16 @@ class Template:
     L341-347) is read into that tensor, as Megatron's own template is; TE's ``set_scaled_state``
     would then copy it onto itself (L393-395), so it is not written again. With
     ``Placement(rollback=True)`` it gets a host tensor like the others instead, so that a load
-    that fails part-way, in the read or after it, leaves every live state as it was. Every other
-    state (BF16, FP16, FP8) is an empty host tensor of the FP32 dtype ``get_unscaled_state``
-    returns (L327-356), as Megatron's own ``fully_reshardable`` template is empty (``empty_data``,
-    L1737). The host tensors are views of one buffer, sized for every state of the optimizer on
-    the first request and faulted in at once on the host workers (huge pages where the kernel
-    gives them), instead of one small fresh allocation per state.
+    that fails part-way, in the read or after it, leaves every live state as the read found it.
+    Every other state (BF16, FP16, FP8) is an empty host tensor of the FP32 dtype
+    ``get_unscaled_state`` returns (L327-356), as Megatron's own ``fully_reshardable`` template is
+    empty (``empty_data``, L1737). Each owns exactly its bytes: views of one buffer would each
+    pickle the whole buffer, as Megatron's ``gather_object`` exchange of loaded tensors does.
     """
 
     def __init__(self, inner: Any, *, in_place: bool) -> None:
         self.inner = inner
         self.in_place = in_place
-        self._views: dict[tuple[int, str], torch.Tensor] | None = None
 
     def state(
         self, param: Any, name: str, value: Any, placement: Placement, where: object
@@ -55,37 +53,7 @@ class Template:
         assert facts is not None
         if facts.te_dtype == torch.float32 and self.in_place:
             return self.inner.get_unscaled_state(param, name)  # the live tensor (L341-347)
-        if self._views is None:
-            self._views = self._allocate()
-        view = self._views.pop((id(param), name), None)
-        if view is None:  # not there on the first request (none is, in Megatron's code)
-            return _pool.empty_host(torch.Size(facts.local_shape), host_dtype(facts), touch=True)
-        return view
-
-    def _allocate(self) -> dict[tuple[int, str], torch.Tensor]:
-        """A host view for every state that gets one, all in one buffer faulted in now."""
-        planned: list[tuple[tuple[int, str], torch.Size, torch.dtype, int]] = []
-        offset = 0
-        for group in self.inner.param_groups:
-            for param in group["params"]:
-                for name, value in self.inner.state.get(param, {}).items():
-                    facts = te_contract.state_facts(self.inner, param, name)
-                    if not isinstance(value, torch.Tensor) or facts is None:
-                        continue
-                    if facts.te_dtype == torch.float32 and self.in_place:
-                        continue
-                    shape, dtype = torch.Size(facts.local_shape), host_dtype(facts)
-                    planned.append(((id(param), name), shape, dtype, offset))
-                    offset += -(-shape.numel() * dtype.itemsize // ALIGN) * ALIGN
-        buffer = _pool.empty_host(torch.Size([offset]), torch.uint8, touch=True)
-        return {
-            key: buffer[start : start + shape.numel() * dtype.itemsize].view(dtype).view(shape)
-            for key, shape, dtype, start in planned
-        }
-
-
-# Byte alignment of each template view in its buffer.
-ALIGN = 512
+        return _pool.empty_host(torch.Size(facts.local_shape), host_dtype(facts), touch=True)
 
 
 def host_dtype(facts: te_contract.StateFacts) -> torch.dtype:

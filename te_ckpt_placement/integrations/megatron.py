@@ -18,9 +18,10 @@ inside a streaming policy (references are megatron-core 0.19.2,
 
 - ``_get_main_param_and_optimizer_states`` (L1090-1117, the one reader of parameter state for
   ``dp_reshardable``, ``fully_sharded_model_space``, ``dp_zero_gather_scatter`` and
-  ``fully_reshardable``, at save and for load templates) produces each state on the host, one at
-  a time, with exactly the dtype and bits of ``get_unscaled_state`` (L1108): FP32, or the int16
-  remainders of ``store_param_remainders`` masters. Megatron never passes ``skip_unscale``;
+  ``fully_reshardable``, at save and for load templates) produces each state for a save on the
+  host, one at a time, with exactly the dtype and bits of ``get_unscaled_state`` (L1108): FP32,
+  or the int16 remainders of ``store_param_remainders`` masters. Megatron never passes
+  ``skip_unscale``;
 - ``state_dict`` (L825-885) keeps only the param groups of its inner ``optimizer.state_dict()``
   (L833, L866): they now come from torch's ``Optimizer.state_dict``, which TE's ``state_dict``
   calls before converting the states that Megatron drops, so no state is exported at all;
@@ -327,7 +328,7 @@ def _load_state_dict(optimizer: Any, original: Callable[[Any], Any], state_dict:
             exc.add_note(
                 "te_ckpt_placement: Megatron's load_state_dict had already loaded the param "
                 "groups (and grad scaler) and set the 16-bit states again from their own "
-                "values; the parameter states it hands over are unchanged"
+                "values; the parameter states it hands over in host memory are unchanged"
                 + (
                     f", but {deferred.in_place} FP32 and int16 states hold the checkpoint's "
                     "values: Megatron's read put them in place, as its own load does (use "
