@@ -20,14 +20,17 @@ from .._policy import Placement
 @dataclass
 class Deferred:
     """The loaded states to write, ``(param, name, value)``, and how many the read had already
-    put in place (:class:`Template`)."""
+    put in place (:func:`template_state`)."""
 
     states: list[tuple[Any, str, Any]] = field(default_factory=list)
     in_place: int = 0
 
 
-class Template:
-    """The tensors of one load's template, what the checkpoint is read into (L1090-1117).
+def template_state(
+    inner: Any, param: Any, name: str, value: Any, placement: Placement, where: object
+) -> torch.Tensor:
+    """What a load's template holds for one state, the tensor the checkpoint is read into
+    (L1090-1117).
 
     A state whose ``get_unscaled_state`` is the live tensor itself (FP32, int16 remainders:
     L341-347) is read into that tensor, as Megatron's own template is; TE's ``set_scaled_state``
@@ -39,21 +42,13 @@ class Template:
     empty (``empty_data``, L1737). Each owns exactly its bytes: views of one buffer would each
     pickle the whole buffer, as Megatron's ``gather_object`` exchange of loaded tensors does.
     """
-
-    def __init__(self, inner: Any, *, in_place: bool) -> None:
-        self.inner = inner
-        self.in_place = in_place
-
-    def state(
-        self, param: Any, name: str, value: Any, placement: Placement, where: object
-    ) -> torch.Tensor:
-        facts = te_contract.state_facts(self.inner, param, name)
-        if facts is None:  # raises the export's error for a state TE does not keep
-            te_contract.describe_state(self.inner, param, name, value, placement, where)
-        assert facts is not None
-        if facts.te_dtype == torch.float32 and self.in_place:
-            return self.inner.get_unscaled_state(param, name)  # the live tensor (L341-347)
-        return _pool.empty_host(torch.Size(facts.local_shape), host_dtype(facts), touch=True)
+    facts = te_contract.state_facts(inner, param, name)
+    if facts is None:  # raises the export's error for a state TE does not keep
+        te_contract.describe_state(inner, param, name, value, placement, where)
+    assert facts is not None
+    if facts.te_dtype == torch.float32 and not placement.rollback:
+        return inner.get_unscaled_state(param, name)  # the live tensor (L341-347)
+    return _pool.empty_host(torch.Size(facts.local_shape), host_dtype(facts), touch=True)
 
 
 def host_dtype(facts: te_contract.StateFacts) -> torch.dtype:
@@ -62,7 +57,7 @@ def host_dtype(facts: te_contract.StateFacts) -> torch.dtype:
 
 
 def read_in_place(inner: Any, param: Any, name: str, value: torch.Tensor) -> bool:
-    """Whether ``value`` is the live state itself, as a template of :class:`Template` is."""
+    """Whether ``value`` is the live state itself, as :func:`template_state` gives."""
     live = inner.state.get(param, {}).get(name)
     if not isinstance(live, torch.Tensor):
         return False

@@ -71,7 +71,7 @@ from .. import _te_load as te_load
 from .. import _wrap
 from .._policy import Placement, as_placement, current_placement
 from .._versions import installed
-from ._megatron_load import Deferred, Template, live_states_of, read_in_place, te_class
+from ._megatron_load import Deferred, live_states_of, read_in_place, te_class, template_state
 from ._methods import PlacementLike, place_methods, unplace_methods
 
 __all__ = [
@@ -174,10 +174,10 @@ _DEFERRED: contextvars.ContextVar[dict[int, Deferred] | None] = contextvars.Cont
 )
 
 
-# The template being built for each placed DistributedOptimizer (by id): set only while a
-# placed sharded_state_dict(is_loading=True) runs.
-_TEMPLATE: contextvars.ContextVar[dict[int, Template] | None] = contextvars.ContextVar(
-    "te_ckpt_placement_megatron_template", default=None
+# Placed DistributedOptimizers (by id) building a load's template: set only while a placed
+# sharded_state_dict(is_loading=True) runs.
+_TEMPLATE: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
+    "te_ckpt_placement_megatron_template", default=frozenset()
 )
 
 
@@ -348,16 +348,9 @@ def _sharded_state_dict(optimizer: Any, original: Callable[..., Any], *args: Any
     if not is_loading:
         with reports.operation("export", path="megatron"):
             return original(*args, **kw)
-    # A load's template (L1090-1117): see Template.
-    placement = current_placement()
-    assert placement is not None
-    template = Template(optimizer.optimizer, in_place=not placement.rollback)
-    token = _TEMPLATE.set({**(_TEMPLATE.get() or {}), id(optimizer): template})
-    try:
-        with reports.operation("load", path="megatron"):
-            return original(*args, **kw)
-    finally:
-        _TEMPLATE.reset(token)
+    # A load's template (L1090-1117): see template_state.
+    with _including(_TEMPLATE, optimizer), reports.operation("load", path="megatron"):
+        return original(*args, **kw)
 
 
 def _precision_aware(optimizer: Any) -> bool:
@@ -377,10 +370,9 @@ def _get_main_param_and_optimizer_states(
     param = inner.param_groups[group_index]["params"][group_order]
     stored = inner.state[param]
     where = (group_index, group_order)
-    template = (_TEMPLATE.get() or {}).get(id(optimizer))
-    if template is not None:
+    if id(optimizer) in _TEMPLATE.get():
         tensors = {
-            name: template.state(param, name, value, placement, where)
+            name: template_state(inner, param, name, value, placement, where)
             for name, value in stored.items()
             if isinstance(value, torch.Tensor)
         }
@@ -410,7 +402,7 @@ def _set_main_param_and_optimizer_states(
     # L1199-1214, each set_scaled_state (L1211-1214) written as TE's load writes it, host
     # values through the pinned pipeline (te_load): inside load_state_dict, where Megatron sets
     # the states last, all together when it returns; else now. A value that is the live FP32
-    # or int16 state itself (read in place, Template) is where set_scaled_state would copy it.
+    # or int16 state itself (read in place, template_state) is where set_scaled_state would copy it.
     group_index, group_order = optimizer.model_param_group_index_map[model_param]
     param = inner.param_groups[group_index]["params"][group_order]
     states, in_place = [], 0
