@@ -1,6 +1,6 @@
 """A/B of the streaming load's staging chunk and host thread count against T*_load.
 
-The load pipeline (``te_ckpt_placement._ring.Uploader``) converts each chunk of the checkpoint on
+The load pipeline (``te_ckpt_placement._upload.Uploader``) converts each chunk of the checkpoint on
 the host into a pinned staging buffer of ``_ring.CHUNK_BYTES`` while the previous chunk is copied to
 the GPU. This times ``load_state_dict`` under ``export_placement("cpu")`` of one host checkpoint
 with each staging chunk size and torch thread count, in interleaved rounds, and checks every

@@ -6,7 +6,7 @@ are parameters. Its users:
 - exports (:func:`stream_into`, device to host): chunk k+1 is copied into a slot while the host
   converts chunk k, ``RING - 1`` chunks in flight, a slot refilled only after its copy was waited
   for;
-- loads (:class:`Uploader`, host to device): the host converts into a slot, the copy stream
+- loads (:class:`._upload.Uploader`, host to device): the host converts into a slot, the copy stream
   uploads it into the live tensor;
 - the DCP load planner (:class:`SlotLender`): slots lent to the reader from ``resolve_tensor``
   to ``commit_tensor``, each upload fenced on the current stream;
@@ -21,22 +21,17 @@ return.
 
 from __future__ import annotations
 
-import functools
 import math
 import threading
 import time
 import weakref
-from contextlib import ExitStack
 from typing import Any
 
 import torch
 
 from . import _pool, _workers
 from . import _reports as reports
-from ._convert import Convert, bf16_copy_is_vectorized
-from ._convert import host_copy as _host_copy
-from ._convert import to_bf16 as _to_bf16
-from ._tensors import memory_order, row_blocks
+from ._convert import Convert
 
 #: Bytes of raw state moved per chunk, and how many chunks are in flight.
 CHUNK_BYTES = 16 << 20
@@ -120,6 +115,18 @@ class Ring:
             dst.copy_(src, non_blocking=True)
             if i is not None:
                 self.events[i % self.slots].record(self.stream)
+
+    def copy_many(self, i: int, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """:meth:`copy` of every ``(dst, src)``, all from slot ``i``, recording its event once."""
+        if self.stream is None:
+            for dst, src in pairs:
+                dst.copy_(src)
+            self.events[i % self.slots].record()
+            return
+        with torch.cuda.stream(self.stream):
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+            self.events[i % self.slots].record(self.stream)
 
     def wait(self, i: int) -> None:
         """Waits until the copy last recorded on slot ``i`` has completed."""
@@ -285,7 +292,7 @@ def release_idle() -> None:
     _rings.release()
 
 
-def _pipeline_slots() -> int:
+def pipeline_slots() -> int:
     """:data:`RING`, checked: the export and load pipelines fill one slot while another copies."""
     if not isinstance(RING, int) or RING < 2:
         raise ValueError(
@@ -305,7 +312,7 @@ def stream_into(src: torch.Tensor, out: torch.Tensor, convert: Convert) -> None:
     """
     flat_src, flat_out = src.reshape(-1), out.view(-1)
     n = flat_src.numel()
-    slots = _pipeline_slots()
+    slots = pipeline_slots()
     lease, complete = _Lease(), False
     try:
         st = lease.take(src.device, CHUNK_BYTES, slots)
@@ -346,119 +353,6 @@ def stream_into(src: torch.Tensor, out: torch.Tensor, convert: Convert) -> None:
                 # No copy outlives a failed export; the next borrower synchronizes too, in case
                 # this is interrupted.
                 ring.synchronize()
-
-
-class Uploader:
-    """Streams host tensors into device tensors of one device through a lent ring.
-
-    Use as a context manager; leaving it waits for every copy (also on an error path) and makes
-    the current stream wait for them. Small writes share a staging slot, so many small states
-    cost one slot turn, not one each. A slot is refilled only after its previous copy completed,
-    the copy stream waits for the current stream before it writes a destination (whose
-    allocation or last use is queued there), and :meth:`fence` makes the current stream wait for
-    the copies before it reads them. The copy stream allocates nothing, and the ring is
-    synchronized before it is returned, so no device tensor is freed while a copy still writes it.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._exit = ExitStack()
-        self._ring: Any = None
-        self._slot = -1
-        self._offset = 0
-
-    def __enter__(self) -> Uploader:
-        self._ring = self._exit.enter_context(lend(self.device, slots=_pipeline_slots()))
-        reports.staging(self.device, self._ring.nbytes)  # the ring (a load uses no scratch)
-        self._offset = self._ring.slot_bytes  # the first take starts a fresh slot
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        # Synchronizes the copy stream (every copy has landed before anything launched after
-        # this), then returns the ring; a stream wait after that would only tie the compute
-        # stream to the ring's next borrower.
-        self._exit.close()
-
-    @property
-    def chunk_bytes(self) -> int:
-        return int(self._ring.slot_bytes)
-
-    def fence(self) -> None:
-        """Makes the current stream wait for every copy issued so far (before reading them)."""
-        self._ring.fence()
-
-    def _take(self, nbytes: int) -> torch.Tensor:
-        ring = self._ring
-        if self._offset + nbytes > ring.slot_bytes:
-            self._slot += 1
-            ring.wait(self._slot)  # the slot's previous host-to-device copies have completed
-            self._offset = 0
-        buf = ring.slot(self._slot)[self._offset : self._offset + nbytes]
-        self._offset += -(-nbytes // ALIGN) * ALIGN
-        return buf
-
-    def write(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Copies the host tensor ``src`` into the dense device tensor ``dst``, chunk by chunk.
-
-        ``dst`` is int16 (``src`` the same), FP32 (``src.float()``'s values) or BF16
-        (``src.float().bfloat16()``'s bits, see :mod:`._convert`), converted on the host.
-        ``src`` may have any strides. Returns once the last chunk is queued.
-        """
-        order = memory_order(dst)
-        if order is None:
-            raise ValueError(
-                f"cannot stream into a tensor that is not dense (strides {dst.stride()})"
-            )
-        n = dst.numel()
-        if n == 0:
-            return
-        ring = self._ring
-        # dst's allocation, fill or last use is queued on the current stream.
-        ring.after_current()
-        dense = dst.permute(order)
-        flat = dense.view(-1)
-        shape = tuple(dense.shape)
-        source = src.permute(order)
-        size = dst.element_size()
-        limit = ring.slot_bytes // size
-        bf16 = dst.dtype == torch.bfloat16
-        whole = bf16_copy_is_vectorized(src) if bf16 else None
-        # Host temporaries: a non-FP32 source is widened to FP32 block by block.
-        wide = 4 if bf16 and src.dtype != torch.float32 else 0
-        temporary = wide * next(row_blocks(shape, limit))[1] if wide else 0  # largest: the first
-        if bf16 and whole is None:
-            # One element (0-d included): the whole conversion itself, whichever kernel it takes.
-            source = src.float().bfloat16().permute(order)
-            bf16, temporary = False, (wide + 2) * n
-        recorder = reports.active()
-        if recorder is not None:
-            recorder.uploaded(n * size, temporary)
-        # Each block is converted into its slot on the host workers' team where there is one,
-        # the next block handed over before this one's upload is queued.
-        fill = functools.partial(_to_bf16, whole_vectorized=whole) if bf16 else _host_copy
-        with torch.no_grad(), _workers.Tasks(caller_copies=True) as tasks:
-            queued: Any = None  # the previous block: (its conversion, slot, start, count, buf)
-            for start, count, index in row_blocks(shape, limit):
-                buf = self._take(count * size).view(dst.dtype)
-                block = source[index]
-                filling = tasks.submit(fill, buf.view(block.shape), block, elements=count)
-                if queued is not None:
-                    self._upload(flat, *queued)
-                queued = (filling, self._slot, start, count, buf)
-            if queued is not None:
-                self._upload(flat, *queued)
-
-    def _upload(
-        self,
-        flat: torch.Tensor,
-        filled: Any,
-        slot: int,
-        start: int,
-        count: int,
-        buf: torch.Tensor,
-    ) -> None:
-        filled()  # the block's conversion into its slot has ended
-        self._ring.copy(slot, flat[start : start + count], buf)
 
 
 class SlotLender:

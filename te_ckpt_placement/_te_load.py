@@ -10,8 +10,9 @@ GPU; FP32 and int16 states are a plain copy; FP16 and FP8 states are scaled on t
 
 This module validates the whole checkpoint first, then writes every state into the live one, in
 place where its storage fits (``_te_load_write._reusable``): BF16, FP32 and int16 states from host
-tensors through the pinned pipeline of :class:`te_ckpt_placement._ring.Uploader` (host conversion of
-chunk k+1 overlapped with the copy of chunk k, no GPU memory), FP16 and FP8 states through TE's own
+tensors through the pinned pipeline of :class:`te_ckpt_placement._upload.Uploader` (host
+conversion of chunk k+1 overlapped with the copy of chunk k, many small states per chunk, no GPU
+memory), FP16 and FP8 states through TE's own
 ``set_scaled_state`` on one FP32 device copy of the state, and device-resident checkpoints on the
 device, one state at a time. The result is TE's load bit for bit. It reads TE's private
 ``_scales`` (L214, L452) and calls ``_initialize_state`` (L397-455) where TE's load would create a
@@ -118,7 +119,12 @@ def stream_load_state_dict(
 
 @reports.operation("load")
 def reload_in_place(
-    optimizer: Any, state_dict: Any, owner: type, params: list[torch.Tensor]
+    optimizer: Any,
+    state_dict: Any,
+    owner: type,
+    params: list[torch.Tensor],
+    *,
+    later: list[tuple[torch.Tensor, str]] | None = None,
 ) -> None:
     """TE's ``load_state_dict(optimizer.state_dict())`` without exporting anything.
 
@@ -132,6 +138,14 @@ def reload_in_place(
     conversions a piece at a time, into the live storage. A failure part-way
     leaves every state valid: those already set as TE's round trip leaves them, the rest as they
     were.
+
+    ``later``: the BF16 and FP16 states are not set here but listed in it, ``(param, name)``,
+    for :func:`round_trip` (unless torch's load post-hooks are registered, which must see them
+    set). A caller about to overwrite some of them (Megatron's load writes the checkpoint's
+    states next) then sets only the others: what TE's round trip leaves in those two kinds is a
+    function of the state alone, which an overwrite replaces completely (a BF16 copy; FP16's
+    data and scale, ``_apply_scale`` L276-310). FP8 states are set here: TE's FP8 copy can keep
+    something of the old value in its quantizer's amax.
     """
     contract = Contract.of(optimizer)
     live = {param: optimizer.state[param] for param in params}
@@ -153,19 +167,36 @@ def reload_in_place(
     finally:  # torch's load empties each param's states: the live ones go back, whatever happens
         optimizer.state.update(live)
     for param, states in live.items():
-        for name, value in states.items():
+        for name in states:
             facts = contract.facts(param, name)
             if facts is None or facts.te_dtype == torch.float32:
                 continue  # TE's round trip copies FP32 states and int16 remainders as they are
-            local = _tensors.local(value)
-            if facts.te_dtype == torch.bfloat16 and local.is_contiguous():
-                _round_bf16_in_place(local)
+            if later is not None and not post_hooks and facts.te_dtype != torch.uint8:
+                later.append((param, name))
             else:
-                optimizer.set_scaled_state(param, name, optimizer.get_unscaled_state(param, name))
-            reports.state_written()
+                _round_trip(optimizer, param, name, facts.te_dtype)
     for hook in post_hooks.values():
         hook(optimizer)
     note_loaded(optimizer)
+
+
+def round_trip(optimizer: Any, states: Iterable[tuple[torch.Tensor, str]]) -> None:
+    """Sets each ``(param, name)`` state as TE's ``load_state_dict(state_dict())`` leaves it:
+    the states :func:`reload_in_place` listed in ``later``."""
+    contract = Contract.of(optimizer)
+    for param, name in states:
+        facts = contract.facts(param, name)
+        assert facts is not None
+        _round_trip(optimizer, param, name, facts.te_dtype)
+
+
+def _round_trip(optimizer: Any, param: torch.Tensor, name: str, kind: torch.dtype) -> None:
+    local = _tensors.local(optimizer.state[param][name])
+    if kind == torch.bfloat16 and local.is_contiguous():
+        _round_bf16_in_place(local)
+    else:
+        optimizer.set_scaled_state(param, name, optimizer.get_unscaled_state(param, name))
+    reports.state_written()
 
 
 #: Elements per piece of :func:`_round_bf16_in_place`: 2 MiB of FP32 on the device at a time.

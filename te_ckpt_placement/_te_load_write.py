@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import _convert, _ring, _te_cost, _tensors
+from . import _convert, _te_cost, _tensors, _upload
 from . import _reports as reports
 from ._te_contract import StateFacts, check_live
 from ._te_load_check import Job
@@ -195,20 +195,31 @@ def _raw_write(optimizer: Any, job: Job) -> bool:
 def _uploaders() -> Iterator[Any]:
     """Uploaders by device, entered on first use; leaving waits for every copy."""
     with ExitStack() as stack:
-        open_: dict[torch.device, _ring.Uploader] = {}
+        open_: dict[torch.device, _upload.Uploader] = {}
 
-        def get(device: torch.device) -> _ring.Uploader:
+        def get(device: torch.device) -> _upload.Uploader:
             if device not in open_:
-                open_[device] = stack.enter_context(_ring.Uploader(device))
+                open_[device] = stack.enter_context(_upload.Uploader(device))
             return open_[device]
 
         yield get
 
 
 def _write_one(
-    optimizer: Any, job: Job, uploader: Any, undo: _Rollback | None, fresh: bool
-) -> None:
-    """Writes one state as TE's ``load_state_dict`` leaves it (L532-548 with L366-455)."""
+    optimizer: Any,
+    job: Job,
+    uploader: Any,
+    undo: _Rollback | None,
+    fresh: bool,
+    flush: Callable[[], None],
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Writes one state as TE's ``load_state_dict`` leaves it (L532-548 with L366-455).
+
+    A small host value for a dense BF16, FP32 or int16 state is not copied here: it is returned
+    as ``(live tensor, value)``, for :func:`_write_all` to upload with the others that share a
+    staging slot (``Uploader.write_many``). Any other write first calls ``flush`` (which uploads
+    those set aside), so the states written when something fails are the first ones.
+    """
     param, name = job.param, job.name
     state = optimizer.state[param]
     remainder = job.facts.remainder
@@ -228,6 +239,25 @@ def _write_one(
         # every state, as it empties the param's dict first (L536).
         optimizer._initialize_state(param, name, False, remainder)
         live = state[name]
+    value = job.local
+    if (
+        _plain(value)
+        and value.device.type == "cpu"
+        and (remainder or kind in (torch.float32, torch.bfloat16))
+    ):
+        dst = _tensors.local(live)
+        if uploader(dst.device).fits(dst):
+            return dst, value
+    flush()
+    _write_value(optimizer, job, live, uploader)
+    return None
+
+
+def _write_value(optimizer: Any, job: Job, live: Any, uploader: Any) -> None:
+    """Writes ``job``'s value into ``live``, the state :func:`_write_one` made room in."""
+    param, name = job.param, job.name
+    remainder = job.facts.remainder
+    kind = job.facts.te_dtype
     value = job.local
     device = _tensors.local(param).device
     if not _plain(value):  # a tensor subclass: TE's own conversion, as TE's load runs it
@@ -306,14 +336,45 @@ def _write_all(optimizer: Any, prepare: Callable[[], list[Job]], undo: _Rollback
     jobs: list[Job] = []
     written = 0
     job: Job | None = None
+    # Small host values set aside by _write_one, uploaded together once a slot's worth (or
+    # another device's) comes: (the first such job, its device, the (live, value) pairs).
+    batch: tuple[Job, torch.device, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+    batch_bytes = 0
     try:
         jobs = prepare()
         fresh = _aliased(optimizer, jobs)
         with _uploaders() as uploader, torch.no_grad():
-            for i, job in enumerate(jobs):
-                _write_one(optimizer, job, uploader, undo, i in fresh)
-                written += 1
-                reports.state_written()
+
+            def upload_batch() -> None:
+                nonlocal batch, batch_bytes, job, written
+                if batch is None:
+                    return
+                job, device, pairs = batch  # a failure now names the batch's first state
+                uploader(device).write_many(pairs)
+                written += len(pairs)
+                for _ in pairs:
+                    reports.state_written()
+                batch, batch_bytes = None, 0
+
+            for i, current in enumerate(jobs):
+                job = current
+                aside = _write_one(optimizer, job, uploader, undo, i in fresh, upload_batch)
+                if aside is None:
+                    written += 1
+                    reports.state_written()
+                    continue
+                dst = aside[0]
+                nbytes = dst.numel() * dst.element_size()
+                if batch is not None and (
+                    batch[1] != dst.device
+                    or batch_bytes + nbytes > uploader(dst.device).chunk_bytes
+                ):
+                    upload_batch()
+                if batch is None:
+                    batch = (job, dst.device, [])
+                batch[2].append(aside)
+                batch_bytes += nbytes
+            upload_batch()
     except BaseException as exc:
         if undo is not None:
             try:
@@ -327,6 +388,16 @@ def _write_all(optimizer: Any, prepare: Callable[[], list[Job]], undo: _Rollback
             raise
         if job is None:
             where = "preparing the first write failed"
+        elif batch is not None and batch[0] is job:
+            where = (
+                f"uploading the {len(batch[2])} states from state {job.name!r} of parameter "
+                f"{job.index} on failed"
+            )
+        elif batch is not None:
+            where = (
+                f"state {job.name!r} of parameter {job.index} failed (the {len(batch[2])} "
+                "states before it, set aside to be uploaded together, were not written either)"
+            )
         elif written < len(jobs):
             where = f"state {job.name!r} of parameter {job.index} failed"
         else:

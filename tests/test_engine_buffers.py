@@ -355,3 +355,47 @@ def test_release_buffers_frees_the_snapshot_pools_too(clean: None) -> None:
     assert _pool.held_bytes() >= 4000 and _pool.held_bytes(pinned=True) == 0
     release_buffers()
     assert stager.buffer_bytes == 0 and _pool.held_bytes() == 0
+
+
+def test_a_host_arena_hands_out_tensors_that_own_their_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import gc
+    import io
+    import itertools
+    import weakref
+
+    monkeypatch.setattr(_pool.HostArena, "MAP_BYTES", 1 << 20)
+    arena = _pool.HostArena()
+    small = [arena.empty(torch.Size([3, 5]), torch.float32) for _ in range(4)]
+    halves = arena.empty(torch.Size([7]), torch.int16)
+    big = arena.empty(torch.Size([(1 << 20) // 4 + 1]), torch.float32)  # a map of its own
+    empty = arena.empty(torch.Size([0, 4]), torch.float32)
+    assert empty.shape == (0, 4)
+    tensors = [*small, halves, big]
+    for t in tensors:
+        assert t.is_contiguous() and t.device.type == "cpu"
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        assert t.data_ptr() % _pool.HostArena.ALIGN == 0
+        saved = io.BytesIO()
+        torch.save(t, saved)  # its bytes alone, not its map's
+        assert len(saved.getvalue()) < t.numel() * t.element_size() + 4096
+    starts = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors)
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(starts))  # disjoint
+    for i, t in enumerate(tensors):
+        t.fill_(i)
+    assert all(bool((t == i).all()) for i, t in enumerate(tensors))
+    assert arena.nbytes == (1 << 20) + (2 << 20)  # the second map rounded to huge pages
+
+    touched: list[int] = []
+    monkeypatch.setattr(_pool, "touch_pages", lambda t: touched.append(t.numel()))
+    arena.touch()
+    assert touched == [4 * 64 + 64, (1 << 20) + 64]  # each map's used part, aligned
+
+    maps = [weakref.ref(mapping) for mapping, _ in arena._maps]
+    del arena, small, halves, tensors, t
+    gc.collect()
+    assert [m() is None for m in maps] == [True, False]  # a map lives while a tensor of it does
+    del big
+    gc.collect()
+    assert maps[1]() is None

@@ -13,6 +13,7 @@ from te_ckpt_placement import (
     Placement,
     _ring,
     _te_load_write,
+    _upload,
     current_placement,
     export_placement,
     pinned_pool_bytes,
@@ -169,6 +170,72 @@ def test_load_fault_without_rollback_says_what_was_written_and_a_retry_repairs(
     with export_placement("cpu"):
         target.load_state_dict(checkpoint)
     assert_view_equal(optimizer_view(reference), optimizer_view(target))
+
+
+# Small states are set aside and uploaded together (Uploader.write_many); with 64-byte chunks
+# those are parameter 2's three states (jobs 6-8 of 12), uploaded before job 9 is written.
+SET_ASIDE_FAULTS = {
+    # Job 9 fails before it could upload them: they are not written either.
+    "next state": (_te_load_write, "_write_one", 10, (3, "exp_avg"), "the 3 states before it"),
+    # Their upload fails: in their conversion, or in their copies.
+    "conversion": (_upload, "_fill_all", 1, (2, "exp_avg"), "uploading the 3 states from state"),
+    "copies": (_ring.Ring, "copy_many", 1, (2, "exp_avg"), "uploading the 3 states from state"),
+}
+
+
+@pytest.mark.parametrize("fault", list(SET_ASIDE_FAULTS))
+def test_a_fault_near_states_set_aside_says_which_were_written(
+    monkeypatch: pytest.MonkeyPatch, tiny_chunks: None, fault: str
+) -> None:
+    owner, attr, k, failed, says = SET_ASIDE_FAULTS[fault]
+    source = build(torch.bfloat16, "remainder", seed=1)
+    with export_placement("cpu"):
+        checkpoint = source.state_dict()
+    target = build(torch.bfloat16, "remainder", seed=2)
+    old = states_in_order(target)
+    calls: list[int] = []
+    write_many = _upload.Uploader.write_many
+    monkeypatch.setattr(
+        _upload.Uploader,
+        "write_many",
+        lambda up, pairs: calls.append(len(pairs)) or write_many(up, pairs),
+    )
+    monkeypatch.setattr(
+        owner, attr, nth_call_raises(k, RuntimeError("injected"), getattr(owner, attr))
+    )
+    with pytest.raises(te_load.PartialLoadError) as caught, export_placement("cpu"):
+        target.load_state_dict(checkpoint)
+    monkeypatch.undo()
+    error = caught.value
+    assert calls == ([] if fault == "next state" else [3])
+    assert (error.written, error.total, (error.index, error.name)) == (6, 12, failed)
+    assert "6 of 12 states were written" in str(error) and says in str(error)
+    # The written states are the first six, as the count says; the rest are the old ones.
+    reference = te_loaded(torch.bfloat16, "remainder", checkpoint)
+    now, loaded = states_in_order(target), states_in_order(reference)
+    assert all(torch.equal(a[2], b[2]) for a, b in zip(now[:6], loaded[:6], strict=True))
+    assert all(torch.equal(a[2], b[2]) for a, b in zip(now[6:], old[6:], strict=True))
+    with export_placement("cpu"):
+        target.load_state_dict(checkpoint)
+    assert_view_equal(optimizer_view(reference), optimizer_view(target))
+
+
+@pytest.mark.parametrize("fault", ["conversion", "copies"])
+def test_a_fault_in_states_set_aside_rolls_back_exactly(
+    monkeypatch: pytest.MonkeyPatch, tiny_chunks: None, fault: str
+) -> None:
+    owner, attr, k, _, _ = SET_ASIDE_FAULTS[fault]
+    source = build(torch.bfloat16, "remainder", seed=1)
+    with export_placement("cpu"):
+        checkpoint = source.state_dict()
+    target = build(torch.bfloat16, "remainder", seed=2)
+    before = optimizer_view(target)
+    monkeypatch.setattr(owner, attr, nth_call_raises(k, KeyboardInterrupt(), getattr(owner, attr)))
+    with pytest.raises(KeyboardInterrupt), export_placement("cpu", rollback=True):
+        target.load_state_dict(checkpoint)
+    monkeypatch.undo()
+    assert_view_equal(before, optimizer_view(target))
+    assert _ring.in_use() == 0
 
 
 @pytest.mark.parametrize("where", ["state", "chunk"])

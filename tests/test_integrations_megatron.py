@@ -550,6 +550,46 @@ def test_load_into_a_trained_optimizer_equals_megatrons(
         assert_same_raw(runs[True].inner, built.inner)
 
 
+def test_a_read_inside_the_load_sees_tes_round_trip_done(
+    api: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # TE's round trip (L965) of the 16-bit moments is left out where the loaded states
+    # overwrite them. A loader that reads the states before it sets them (as
+    # dp_zero_gather_scatter's does, L2310) must read them as the round trip leaves them: here
+    # it canonicalizes a BF16 NaN's payload.
+    kwargs = {"moments": torch.bfloat16, "master": "fp32"}
+    built = ms.build(api, seed=3, **kwargs)
+    saved = built.optimizer.sharded_state_dict(
+        built.model_sharded_state_dict(), metadata=DP_RESHARDABLE
+    )
+    cls = type(built.optimizer)
+    load_from = cls.load_parameter_state_from_dp_reshardable
+    read: dict[bool, torch.Tensor] = {}
+
+    def reading_first(self: Any, param_state: Any) -> Any:
+        first = next(iter(self.model_param_group_index_map))
+        value = self._get_main_param_and_optimizer_states(first)["exp_avg"]
+        read[placing] = value.detach().cpu().clone().view(torch.int32)
+        return load_from(self, param_state)
+
+    monkeypatch.setattr(cls, "load_parameter_state_from_dp_reshardable", reading_first)
+    runs = {}
+    for placing in (False, True):
+        run = ms.build(api, seed=4, **kwargs)
+        if placing:
+            megatron.place_optimizer(run.optimizer)
+        template = run.optimizer.sharded_state_dict(
+            run.model_sharded_state_dict(), is_loading=True, metadata=DP_RESHARDABLE
+        )  # (with a round trip of its own, L1538)
+        for states in run.inner.state.values():
+            states["exp_avg"].view(-1).view(torch.int16)[0] = 0x7F81  # a NaN with a payload
+        run.optimizer.load_state_dict(simulate_load(template, saved))
+        runs[placing] = run
+    assert torch.equal(read[True], read[False])
+    assert int(read[False][0]) != 0x7F810000, "the round trip changed nothing to read"
+    assert_same_raw(runs[True].inner, runs[False].inner)
+
+
 @pytest.mark.parametrize(("moments", "master"), STORAGE, ids=STORAGE_IDS)
 def test_resume_equals_megatrons_and_the_saved_run(
     api: SimpleNamespace, moments: torch.dtype, master: str, monkeypatch: pytest.MonkeyPatch
@@ -575,9 +615,10 @@ def test_resume_equals_megatrons_and_the_saved_run(
         False,
     )
     # The round trip through TE (L965, L1046) stays on the device: nothing is exported, and
-    # only the 16-bit moments are set again; then each loaded state is written once, except the
-    # FP32 and int16 ones, which the read put in place.
-    reset = 0 if moments == torch.float32 else 2
+    # only the FP8 moments are set again (the BF16 and FP16 ones are left out, as the loaded
+    # states overwrite them); then each loaded state is written once, except the FP32 and
+    # int16 ones, which the read put in place.
+    reset = 2 if moments == torch.uint8 else 0
     in_place = 3 if moments == torch.float32 else 1
     assert report.states == (reset + 3 - in_place) * len(placed.params)
     assert report.details["states_read_in_place"] == in_place * len(placed.params)

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from te_ckpt_placement import _ring, export_placement
+from te_ckpt_placement import _ring, _upload, export_placement
 from te_ckpt_placement import _te_load as te_load
 
 from .support.helpers import assert_same_export, assert_snapshot_equal, bits, local, snapshot
@@ -934,7 +934,7 @@ def test_uploader_bf16_equals_te_conversion_for_any_source(
                 flat[1] = -float("nan")
             src = restride(values.to(dtype), layout)
             dst = torch.empty(shape, dtype=torch.bfloat16)
-            with _ring.Uploader(torch.device("cpu")) as up:
+            with _upload.Uploader(torch.device("cpu")) as up:
                 up.write(dst, src)
             expected = src.float().bfloat16()
             assert torch.equal(raw_bits(dst), raw_bits(expected)), (shape, chunk)
@@ -962,12 +962,12 @@ def test_uploader_fp32_and_int16_equal_te_copies(
         src = restride(values.to(dtype), layout)
         backwards = tuple(reversed(range(len(shape))))
         for dst in (torch.empty(shape), torch.empty(tuple(reversed(shape))).permute(backwards)):
-            with _ring.Uploader(torch.device("cpu")) as up:
+            with _upload.Uploader(torch.device("cpu")) as up:
                 up.write(dst, src)
             assert torch.equal(raw_bits(dst), raw_bits(src.float())), (shape, dtype)
         ints = restride(torch.randint(-(1 << 15), 1 << 15, shape, dtype=torch.int16), layout)
         out = torch.empty(shape, dtype=torch.int16)
-        with _ring.Uploader(torch.device("cpu")) as up:
+        with _upload.Uploader(torch.device("cpu")) as up:
             up.write(out, ints)
         assert torch.equal(out, ints)
 
@@ -1001,9 +1001,10 @@ def test_load_states_rollback_puts_replaced_states_back(monkeypatch: pytest.Monk
     assert_snapshot_equal(before, snapshot(opt))
 
 
+@pytest.mark.parametrize("later", [False, True], ids=["now", "later"])
 @pytest.mark.parametrize(("moments", "master"), list(itertools.product(MOMENTS, MASTERS)))
 def test_reload_in_place_equals_tes_round_trip(
-    moments: torch.dtype, master: str, monkeypatch: pytest.MonkeyPatch
+    moments: torch.dtype, master: str, later: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # What Megatron's load_state_dict does with TE's own export (distrib_optimizer.py L965,
     # L1046): TE's load_state_dict(state_dict()), here without the export.
@@ -1021,6 +1022,19 @@ def test_reload_in_place_equals_tes_round_trip(
         reference.load_state_dict(reference.state_dict())
         params = [p for g in ours.param_groups for p in g["params"]]
         groups = torch.optim.Optimizer.state_dict(ours)
-        te_load.reload_in_place(ours, groups, StandInFusedAdam, params)
+        left: list[tuple[torch.Tensor, str]] | None = [] if later else None
+        unset = snapshot(ours)
+        te_load.reload_in_place(ours, groups, StandInFusedAdam, params, later=left)
+        if left is not None:
+            # The BF16 and FP16 states are listed, not set; the FP8 ones are set now.
+            assert left == [
+                (p, n)
+                for p in params
+                for n, v in ours.state[p].items()
+                if isinstance(v, torch.Tensor) and v.dtype in (torch.bfloat16, torch.float16)
+            ]
+            if left:
+                assert_snapshot_equal(unset, snapshot(ours))
+            te_load.round_trip(ours, left)
     assert_same_optimizer(ours, reference)
     assert storages(ours) == before, "the states are set again in place"

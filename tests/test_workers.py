@@ -19,6 +19,7 @@ from te_ckpt_placement import (
     Placement,
     _convert,
     _ring,
+    _upload,
     _workers,
     current_placement,
     export_placement,
@@ -377,7 +378,7 @@ def test_a_ring_of_fewer_than_two_slots_is_refused(monkeypatch: pytest.MonkeyPat
     with pytest.raises(ValueError, match=r"RING = 1: .* at least 2 slots .* integer >= 2"):
         materialize(StateSource(kind="copy", data=torch.ones(10)))
     with pytest.raises(ValueError, match=r"RING = 1: .* at least 2 slots"):
-        with _ring.Uploader(torch.device("cpu")):
+        with _upload.Uploader(torch.device("cpu")):
             pass
 
 
@@ -583,7 +584,7 @@ def test_a_load_hands_its_blocks_to_the_smaller_team(
     n = 2 * _workers.MIN_ELEMENTS
     dst = torch.empty(n, dtype=torch.bfloat16)
     src = torch.randn(n)
-    with _ring.Uploader(torch.device("cpu")) as up:
+    with _upload.Uploader(torch.device("cpu")) as up:
         up.write(dst, src)
     assert sizes and set(sizes) == {2}
     assert_bit_equal(dst, src.bfloat16())

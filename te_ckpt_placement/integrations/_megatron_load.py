@@ -14,20 +14,39 @@ import torch
 
 from .. import _pool, _tensors
 from .. import _te_contract as te_contract
+from .. import _te_load as te_load
 from .._policy import Placement
 
 
 @dataclass
 class Deferred:
-    """The loaded states to write, ``(param, name, value)``, and how many the read had already
-    put in place (:func:`template_state`)."""
+    """What a placed ``load_state_dict`` of ``inner`` leaves for its end: the loaded states to
+    write, ``(param, name, value)``, how many the read had already put in place
+    (:func:`template_state`), and the states TE's round trip has still to set
+    (``te_load.reload_in_place``'s ``later``)."""
 
+    inner: Any
     states: list[tuple[Any, str, Any]] = field(default_factory=list)
     in_place: int = 0
+    round_trip: list[tuple[Any, str]] = field(default_factory=list)
+
+    def finish_round_trip(self, *, skip_loaded: bool = False) -> None:
+        """Sets the states TE's round trip has still to set (``skip_loaded``: except those the
+        loaded states overwrite, which it could not change)."""
+        loaded = {(id(p), name) for p, name, _ in self.states} if skip_loaded else set()
+        now = [s for s in self.round_trip if (id(s[0]), s[1]) not in loaded]
+        self.round_trip = [s for s in self.round_trip if (id(s[0]), s[1]) in loaded]
+        te_load.round_trip(self.inner, now)
 
 
 def template_state(
-    inner: Any, param: Any, name: str, value: Any, placement: Placement, where: object
+    inner: Any,
+    param: Any,
+    name: str,
+    value: Any,
+    placement: Placement,
+    where: object,
+    arena: _pool.HostArena,
 ) -> torch.Tensor:
     """What a load's template holds for one state, the tensor the checkpoint is read into
     (L1090-1117).
@@ -39,8 +58,9 @@ def template_state(
     that fails part-way, in the read or after it, leaves every live state as the read found it.
     Every other state (BF16, FP16, FP8) is an empty host tensor of the FP32 dtype
     ``get_unscaled_state`` returns (L327-356), as Megatron's own ``fully_reshardable`` template is
-    empty (``empty_data``, L1737). Each owns exactly its bytes: views of one buffer would each
-    pickle the whole buffer, as Megatron's ``gather_object`` exchange of loaded tensors does.
+    empty (``empty_data``, L1737). These come from ``arena`` (:class:`~.._pool.HostArena`), each
+    owning exactly its bytes: views of one buffer would each pickle the whole buffer, as
+    Megatron's ``gather_object`` exchange of loaded tensors does.
     """
     facts = te_contract.state_facts(inner, param, name)
     if facts is None:  # raises the export's error for a state TE does not keep
@@ -48,7 +68,7 @@ def template_state(
     assert facts is not None
     if facts.te_dtype == torch.float32 and not placement.rollback:
         return inner.get_unscaled_state(param, name)  # the live tensor (L341-347)
-    return _pool.empty_host(torch.Size(facts.local_shape), host_dtype(facts), touch=True)
+    return arena.empty(torch.Size(facts.local_shape), host_dtype(facts))
 
 
 def host_dtype(facts: te_contract.StateFacts) -> torch.dtype:

@@ -34,7 +34,8 @@ inside a streaming policy (references are megatron-core 0.19.2,
 - ``load_state_dict`` (L887-1088) on an optimizer without state starts from TE's initial states
   (``te_load.initialize_states``) instead of Megatron's dummy GPU states (L974-1020), which would
   sit next to the states TE's load allocates; its round trip of TE's ``state_dict`` through TE's
-  ``load_state_dict`` (L965, L1046) stays on the device (``te_load.reload_in_place``), and
+  ``load_state_dict`` (L965, L1046) stays on the device (``te_load.reload_in_place``) and, for
+  BF16 and FP16 states, is left out where a loaded state overwrites its result; and
   ``_set_main_param_and_optimizer_states`` (L1193-1225) writes each loaded state as TE's load
   does, host tensors through the pinned pipeline (``te_load.load_states``; inside
   ``load_state_dict`` all of them together, when it returns).
@@ -65,10 +66,10 @@ from typing import Any
 import torch
 
 from .. import _export as engine
+from .. import _pool, _wrap
 from .. import _reports as reports
 from .. import _te_contract as te_contract
 from .. import _te_load as te_load
-from .. import _wrap
 from .._policy import Placement, as_placement, current_placement
 from .._versions import installed
 from ._megatron_load import Deferred, live_states_of, read_in_place, te_class, template_state
@@ -174,10 +175,10 @@ _DEFERRED: contextvars.ContextVar[dict[int, Deferred] | None] = contextvars.Cont
 )
 
 
-# Placed DistributedOptimizers (by id) building a load's template: set only while a placed
-# sharded_state_dict(is_loading=True) runs.
-_TEMPLATE: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
-    "te_ckpt_placement_megatron_template", default=frozenset()
+# Placed DistributedOptimizers (by id) building a load's template, with the host arena its
+# tensors come from: set only while a placed sharded_state_dict(is_loading=True) runs.
+_TEMPLATE: contextvars.ContextVar[dict[int, _pool.HostArena] | None] = contextvars.ContextVar(
+    "te_ckpt_placement_megatron_template", default=None
 )
 
 
@@ -312,19 +313,23 @@ def _load_state_dict(optimizer: Any, original: Callable[[Any], Any], state_dict:
         # Megatron hands TE's state_dict() back to TE's load_state_dict (L965, L1046): both
         # stay on the device, state by state (te_load.reload_in_place), instead of a whole
         # export to the host and a load back.
-        deferred = Deferred()
+        deferred = Deferred(inner)
         token = _DEFERRED.set({**(_DEFERRED.get() or {}), id(optimizer): deferred})
         try:
             with _including(_TORCH_STATE_DICT, inner), _including(_RELOAD, inner):
                 result = original(state_dict)
         finally:
             _DEFERRED.reset(token)
+        # TE's round trip sets the BF16 and FP16 states that the loaded ones do not overwrite;
+        # it could not change those they do (te_load.reload_in_place).
+        deferred.finish_round_trip(skip_loaded=True)
         if not deferred.states and not deferred.in_place:  # no param_state (a template's)
             return result
         # The loaded states, read last by Megatron (L1070-1088), in one pipeline.
         try:
             te_load.load_states(inner, deferred.states, rollback=_rollback())
         except ValueError as exc:  # checked before any of them was written
+            deferred.finish_round_trip()  # as TE's round trip left them
             exc.add_note(
                 "te_ckpt_placement: Megatron's load_state_dict had already loaded the param "
                 "groups (and grad scaler) and set the 16-bit states again from their own "
@@ -348,9 +353,17 @@ def _sharded_state_dict(optimizer: Any, original: Callable[..., Any], *args: Any
     if not is_loading:
         with reports.operation("export", path="megatron"):
             return original(*args, **kw)
-    # A load's template (L1090-1117): see template_state.
-    with _including(_TEMPLATE, optimizer), reports.operation("load", path="megatron"):
-        return original(*args, **kw)
+    # A load's template (L1090-1117): see template_state. Its host tensors come from one arena,
+    # faulted in together on the host workers before the read writes them.
+    arena = _pool.HostArena()
+    token = _TEMPLATE.set({**(_TEMPLATE.get() or {}), id(optimizer): arena})
+    try:
+        with reports.operation("load", path="megatron"):
+            template = original(*args, **kw)
+            arena.touch()
+    finally:
+        _TEMPLATE.reset(token)
+    return template
 
 
 def _precision_aware(optimizer: Any) -> bool:
@@ -370,14 +383,18 @@ def _get_main_param_and_optimizer_states(
     param = inner.param_groups[group_index]["params"][group_order]
     stored = inner.state[param]
     where = (group_index, group_order)
-    if id(optimizer) in _TEMPLATE.get():
+    arena = (_TEMPLATE.get() or {}).get(id(optimizer))
+    if arena is not None:
         tensors = {
-            name: template_state(inner, param, name, value, placement, where)
+            name: template_state(inner, param, name, value, placement, where, arena)
             for name, value in stored.items()
             if isinstance(value, torch.Tensor)
         }
         tensors["param"] = tensors.pop("master_param")
         return tensors
+    deferred = (_DEFERRED.get() or {}).get(id(optimizer))
+    if deferred is not None:  # a read inside load_state_dict sees TE's round trip done
+        deferred.finish_round_trip()
     sources = {
         name: te_contract.describe_state(inner, param, name, value, placement, where)
         for name, value in stored.items()
@@ -452,7 +469,9 @@ def _inner_load_state_dict(inner: Any, original: Callable[[Any], Any], state_dic
     params = live_states_of(inner, state_dict) if id(inner) in _RELOAD.get() else None
     if params is None:
         return original(state_dict)
-    return te_load.reload_in_place(inner, state_dict, te_class(inner), params)
+    deferred = next((d for d in (_DEFERRED.get() or {}).values() if d.inner is inner), None)
+    later = None if deferred is None else deferred.round_trip
+    return te_load.reload_in_place(inner, state_dict, te_class(inner), params, later=later)
 
 
 def _divert_inner(optimizer: Any, inner: Any) -> None:
