@@ -112,55 +112,6 @@ def empty_host(shape: torch.Size, dtype: torch.dtype, *, touch: bool = False) ->
     return out
 
 
-class HostArena:
-    """Many host tensors made at once, carved from a few anonymous maps and touched together.
-
-    Each tensor owns exactly its bytes (``torch.frombuffer``: pickled, it carries those bytes
-    alone, not its map's), and a map is unmapped once no tensor of it is alive. Fresh tensors of
-    their own would each fault their 4 KiB pages on the caller, one by one, when first written;
-    the maps are advised to use huge pages and :meth:`touch` faults in every map's used part on
-    the host workers' team, in one op per map. For a load's template of many small states.
-    """
-
-    #: Bytes per map (a tensor larger than this gets a map of its own).
-    MAP_BYTES = 64 << 20
-    #: Each tensor starts at a multiple of this many bytes (a cache line).
-    ALIGN = 64
-
-    def __init__(self) -> None:
-        self._maps: list[tuple[mmap.mmap, int]] = []  # (map, bytes used)
-
-    def empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialized contiguous host tensor of ``shape`` and ``dtype``."""
-        numel = math.prod(shape)
-        nbytes = numel * dtype.itemsize
-        if nbytes == 0:
-            return torch.empty(shape, dtype=dtype)
-        if not self._maps or self._maps[-1][1] + nbytes > len(self._maps[-1][0]):
-            size = (
-                self.MAP_BYTES
-                if nbytes <= self.MAP_BYTES
-                else -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE
-            )
-            mapping = mmap.mmap(-1, size)
-            _advise_huge_pages(torch.frombuffer(mapping, dtype=torch.uint8).data_ptr(), size)
-            self._maps.append((mapping, 0))
-        mapping, used = self._maps[-1]
-        out = torch.frombuffer(mapping, dtype=dtype, count=numel, offset=used).view(shape)
-        self._maps[-1] = (mapping, used + -(-nbytes // self.ALIGN) * self.ALIGN)
-        return out
-
-    def touch(self) -> None:
-        """Faults in every page handed out so far (:func:`touch_pages`; values left undefined)."""
-        for mapping, used in self._maps:
-            touch_pages(torch.frombuffer(mapping, dtype=torch.uint8, count=min(used, len(mapping))))
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the maps made so far."""
-        return sum(len(mapping) for mapping, _ in self._maps)
-
-
 def touch_pages(t: torch.Tensor) -> None:
     """Faults in every page of the contiguous host tensor ``t`` (its values are left undefined).
 

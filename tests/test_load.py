@@ -987,11 +987,11 @@ def test_load_states_rollback_puts_replaced_states_back(monkeypatch: pytest.Monk
     before = snapshot(opt)
     real, calls = _te_load_write._write_one, []
 
-    def fails_second(*args: Any, **kwargs: Any) -> None:
+    def fails_second(*args: Any, **kwargs: Any) -> Any:
         calls.append(1)
         if len(calls) == 2:
             raise RuntimeError("injected")
-        real(*args, **kwargs)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(_te_load_write, "_write_one", fails_second)
     seven = torch.full((64,), 7.0)

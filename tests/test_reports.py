@@ -569,15 +569,17 @@ def test_load_failing_part_way_reports_what_was_written(monkeypatch: pytest.Monk
     opt = build(torch.bfloat16, "fp32")
     with export_placement("cpu"):
         checkpoint = opt.state_dict()
+    # Slots too small to share: each state is written before the next one starts.
+    monkeypatch.setattr(_ring, "CHUNK_BYTES", 1024)
     write = _te_load_write._write_one
     calls = 0
 
-    def fourth_fails(*args: Any, **kwargs: Any) -> None:
+    def fourth_fails(*args: Any, **kwargs: Any) -> Any:
         nonlocal calls
         calls += 1
         if calls == 4:
             raise RuntimeError("injected")
-        write(*args, **kwargs)
+        return write(*args, **kwargs)
 
     monkeypatch.setattr(_te_load_write, "_write_one", fourth_fails)
     with pytest.raises(te_load.PartialLoadError), export_placement("cpu"):

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .. import _pool, _tensors
+from .. import _pool, _tensors, _workers
 from .. import _te_contract as te_contract
 from .. import _te_load as te_load
 from .._policy import Placement
@@ -40,13 +40,7 @@ class Deferred:
 
 
 def template_state(
-    inner: Any,
-    param: Any,
-    name: str,
-    value: Any,
-    placement: Placement,
-    where: object,
-    arena: _pool.HostArena,
+    inner: Any, param: Any, name: str, value: Any, placement: Placement, where: object
 ) -> torch.Tensor:
     """What a load's template holds for one state, the tensor the checkpoint is read into
     (L1090-1117).
@@ -58,9 +52,13 @@ def template_state(
     that fails part-way, in the read or after it, leaves every live state as the read found it.
     Every other state (BF16, FP16, FP8) is an empty host tensor of the FP32 dtype
     ``get_unscaled_state`` returns (L327-356), as Megatron's own ``fully_reshardable`` template is
-    empty (``empty_data``, L1737). These come from ``arena`` (:class:`~.._pool.HostArena`), each
-    owning exactly its bytes: views of one buffer would each pickle the whole buffer, as
-    Megatron's ``gather_object`` exchange of loaded tensors does.
+    empty (``empty_data``, L1737). Each owns exactly its bytes: views of one buffer would each
+    pickle the whole buffer, as Megatron's ``gather_object`` exchange of loaded tensors does.
+    One large enough for the host workers' team is faulted in there (``_pool.touch_pages``); a
+    smaller one is left to the read that fills it, as the tensors Megatron's own read makes
+    (``torch.load``) are: faulting in a model's many small states one by one on the calling
+    thread made a test-size template several times slower than Megatron's
+    (docs/performance-log.md section 15).
     """
     facts = te_contract.state_facts(inner, param, name)
     if facts is None:  # raises the export's error for a state TE does not keep
@@ -68,7 +66,8 @@ def template_state(
     assert facts is not None
     if facts.te_dtype == torch.float32 and not placement.rollback:
         return inner.get_unscaled_state(param, name)  # the live tensor (L341-347)
-    return arena.empty(torch.Size(facts.local_shape), host_dtype(facts))
+    shape = torch.Size(facts.local_shape)
+    return _pool.empty_host(shape, host_dtype(facts), touch=shape.numel() >= _workers.MIN_ELEMENTS)
 
 
 def host_dtype(facts: te_contract.StateFacts) -> torch.dtype:
