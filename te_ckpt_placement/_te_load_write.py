@@ -360,6 +360,15 @@ def _note(exc: BaseException, message: str) -> None:
         exc.add_note(message)
 
 
+#: torch's CUDA caching allocator hands out whole blocks of this many bytes.
+_ALLOCATOR_BLOCK = 512
+
+
+def _in_blocks(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole allocator blocks: what a device tensor of them holds."""
+    return -(-nbytes // _ALLOCATOR_BLOCK) * _ALLOCATOR_BLOCK
+
+
 def _largest_temporary(jobs: list[Job]) -> int:
     """Bytes of the largest FP32 device temporary that writing one of ``jobs`` needs (TE scales
     a host FP16 or FP8 value from one on the device)."""
@@ -378,13 +387,19 @@ def _largest_temporary(jobs: list[Job]) -> int:
 
 def _joins(batch: list[Aside], aside: Aside, uploader: Any, temporaries: int) -> bool:
     """Whether ``aside`` is uploaded with ``batch``: the same device, within one slot, and the
-    device temporaries within the largest one alone."""
+    device temporaries within the largest one alone, in bytes and in the allocator's blocks."""
     device = aside.dst.device
     if batch[0].dst.device != device:
         return False
-    slot = sum(a.dst.numel() * a.dst.element_size() for a in (*batch, aside))
-    held = sum(a.temporary for a in (*batch, aside))
-    return slot <= uploader(device).chunk_bytes and held <= temporaries
+    together = (*batch, aside)
+    slot = sum(a.dst.numel() * a.dst.element_size() for a in together)
+    held = sum(a.temporary for a in together)
+    blocks = sum(_in_blocks(a.temporary) for a in together)
+    return (
+        slot <= uploader(device).chunk_bytes
+        and held <= temporaries
+        and blocks <= _in_blocks(temporaries)
+    )
 
 
 def _write_all(optimizer: Any, prepare: Callable[[], list[Job]], undo: _Rollback | None) -> None:
