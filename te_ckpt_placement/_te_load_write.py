@@ -10,7 +10,6 @@ private ``_scales`` (L214, L452). A failure part-way restores the previous state
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any, NamedTuple
@@ -206,17 +205,6 @@ def _uploaders() -> Iterator[Any]:
         yield get
 
 
-class Aside(NamedTuple):
-    """A small host value set aside by :func:`_write_one`: uploaded into ``dst`` together with
-    others (``Uploader.write_many``), then ``then`` (TE's scaling of an FP16/FP8 state from
-    ``dst``, a device temporary of ``temporary`` bytes) once the copies have landed."""
-
-    dst: torch.Tensor
-    value: torch.Tensor
-    then: Callable[[], None] | None = None
-    temporary: int = 0
-
-
 def _write_one(
     optimizer: Any,
     job: Job,
@@ -224,16 +212,13 @@ def _write_one(
     undo: _Rollback | None,
     fresh: bool,
     flush: Callable[[], None],
-    temporaries: int,
-) -> Aside | None:
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Writes one state as TE's ``load_state_dict`` leaves it (L532-548 with L366-455).
 
-    A small host value is not copied here but returned (:class:`Aside`), for :func:`_write_all`
-    to upload with the others that share a staging slot: into the live tensor of a dense BF16,
-    FP32 or int16 state, into a device FP32 temporary for an FP16 or FP8 one (of at most
-    ``temporaries`` bytes: the states set aside together hold no more device memory than the
-    largest one alone). Any other write first calls ``flush`` (which uploads those set aside),
-    so the states written when something fails are the first ones.
+    A small host value for a dense BF16, FP32 or int16 state is not copied here: it is returned
+    as ``(live tensor, value)``, for :func:`_write_all` to upload with the others that share a
+    staging slot (``Uploader.write_many``). Any other write first calls ``flush`` (which uploads
+    those set aside), so the states written when something fails are the first ones.
     """
     param, name = job.param, job.name
     state = optimizer.state[param]
@@ -255,42 +240,17 @@ def _write_one(
         optimizer._initialize_state(param, name, False, remainder)
         live = state[name]
     value = job.local
-    if _plain(value) and value.device.type == "cpu":
-        if remainder or kind in (torch.float32, torch.bfloat16):
-            dst = _tensors.local(live)
-            if uploader(dst.device).fits(dst):
-                return Aside(dst, value)
-        else:
-            device = _tensors.local(param).device
-            strides = _unscaled_strides(value, device)
-            nbytes = 4 * value.numel()
-            if (
-                strides is not None
-                and nbytes <= temporaries
-                and uploader(device).fits_layout(value.shape, strides, torch.float32)
-            ):
-                unscaled = torch.empty_strided(value.shape, strides, device=device)
-                scale = functools.partial(optimizer.set_scaled_state, param, name, unscaled)
-                return Aside(unscaled, value, scale, nbytes)
+    if (
+        _plain(value)
+        and value.device.type == "cpu"
+        and (remainder or kind in (torch.float32, torch.bfloat16))
+    ):
+        dst = _tensors.local(live)
+        if uploader(dst.device).fits(dst):
+            return dst, value
     flush()
     _write_value(optimizer, job, live, uploader)
     return None
-
-
-def _unscaled_strides(value: torch.Tensor, device: torch.device) -> tuple[int, ...] | None:
-    """The strides of the FP32 device copy of a host FP16/FP8 value that TE scales from
-    (``_apply_scale``, L276-310); None where the value does not take the pinned pipeline.
-
-    On a GPU one contiguous copy: TE's scaling there is elementwise plus an exact absmax, so the
-    layout cannot change a bit, and a strided copy would make aminmax allocate a second one. On
-    the host (the CPU stand-in) the layout TE's move would give, as host arithmetic can depend
-    on it, for a value laid out densely.
-    """
-    if device.type != "cpu":
-        return tuple(torch.empty(value.shape, device="meta").stride())
-    if _tensors.memory_order(value) is None:
-        return None
-    return _tensors.te_layout_like(value, torch.float32)
 
 
 def _write_value(optimizer: Any, job: Job, live: Any, uploader: Any) -> None:
@@ -314,9 +274,19 @@ def _write_value(optimizer: Any, job: Job, live: Any, uploader: Any) -> None:
     # FP16 and FP8: TE scales on the state's device (_apply_scale, L276-310), from one FP32 copy
     # of the state; it moves a value from elsewhere there itself (L296) and scales a value
     # already there where it is, FP16 in place (L307).
-    strides = _unscaled_strides(value, device) if value.device.type == "cpu" else None
-    if strides is not None:  # the pinned pipeline
+    if value.device.type == "cpu" and (
+        device.type != "cpu" or _tensors.memory_order(value) is not None
+    ):
+        # The pinned pipeline. On a GPU into one contiguous FP32 copy: TE's scaling there is
+        # elementwise plus an exact absmax, so the layout cannot change a bit, and a strided
+        # copy would make aminmax allocate a second one. On the host (the CPU stand-in) into
+        # the layout TE's move would give, as host arithmetic can depend on it.
         up = uploader(device)
+        strides = (
+            _tensors.te_layout_like(value, torch.float32)
+            if device.type == "cpu"
+            else torch.empty(value.shape, device="meta").stride()
+        )
         unscaled = torch.empty_strided(value.shape, strides, device=device)
         reports.device_temporary(4 * value.numel())
         try:
@@ -360,48 +330,6 @@ def _note(exc: BaseException, message: str) -> None:
         exc.add_note(message)
 
 
-#: torch's CUDA caching allocator hands out whole blocks of this many bytes.
-_ALLOCATOR_BLOCK = 512
-
-
-def _in_blocks(nbytes: int) -> int:
-    """``nbytes`` rounded up to whole allocator blocks: what a device tensor of them holds."""
-    return -(-nbytes // _ALLOCATOR_BLOCK) * _ALLOCATOR_BLOCK
-
-
-def _largest_temporary(jobs: list[Job]) -> int:
-    """Bytes of the largest FP32 device temporary that writing one of ``jobs`` needs (TE scales
-    a host FP16 or FP8 value from one on the device)."""
-    return max(
-        (
-            4 * j.local.numel()
-            for j in jobs
-            if not j.facts.remainder
-            and j.facts.te_dtype in (torch.float16, torch.uint8)
-            and _plain(j.local)
-            and j.local.device.type == "cpu"
-        ),
-        default=0,
-    )
-
-
-def _joins(batch: list[Aside], aside: Aside, uploader: Any, temporaries: int) -> bool:
-    """Whether ``aside`` is uploaded with ``batch``: the same device, within one slot, and the
-    device temporaries within the largest one alone, in bytes and in the allocator's blocks."""
-    device = aside.dst.device
-    if batch[0].dst.device != device:
-        return False
-    together = (*batch, aside)
-    slot = sum(a.dst.numel() * a.dst.element_size() for a in together)
-    held = sum(a.temporary for a in together)
-    blocks = sum(_in_blocks(a.temporary) for a in together)
-    return (
-        slot <= uploader(device).chunk_bytes
-        and held <= temporaries
-        and blocks <= _in_blocks(temporaries)
-    )
-
-
 def _write_all(optimizer: Any, prepare: Callable[[], list[Job]], undo: _Rollback | None) -> None:
     """Writes the jobs ``prepare`` sets up; on a failure restores (``undo``) or says exactly
     what was written."""
@@ -409,46 +337,43 @@ def _write_all(optimizer: Any, prepare: Callable[[], list[Job]], undo: _Rollback
     written = 0
     job: Job | None = None
     # Small host values set aside by _write_one, uploaded together once a slot's worth (or
-    # another device's, or the device temporaries' bound) comes: the first such job, and them.
-    batch: tuple[Job, list[Aside]] | None = None
+    # another device's) comes: (the first such job, its device, the (live, value) pairs).
+    batch: tuple[Job, torch.device, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+    batch_bytes = 0
     try:
         jobs = prepare()
         fresh = _aliased(optimizer, jobs)
-        temporaries = _largest_temporary(jobs)
         with _uploaders() as uploader, torch.no_grad():
 
             def upload_batch() -> None:
-                nonlocal batch, job, written
+                nonlocal batch, batch_bytes, job, written
                 if batch is None:
                     return
-                job, asides = batch  # a failure now names the batch's first state
-                up = uploader(asides[0].dst.device)
-                up.write_many([(a.dst, a.value) for a in asides])
-                scaled = [a for a in asides if a.then is not None]
-                if scaled:
-                    up.fence()  # the copies have landed before TE scales from them
-                    reports.device_temporary(sum(a.temporary for a in scaled))
-                    for a in scaled:
-                        a.then()  # type: ignore[misc]
-                written += len(asides)
-                for _ in asides:
+                job, device, pairs = batch  # a failure now names the batch's first state
+                uploader(device).write_many(pairs)
+                written += len(pairs)
+                for _ in pairs:
                     reports.state_written()
-                batch = None  # the device temporaries go with it
+                batch, batch_bytes = None, 0
 
             for i, current in enumerate(jobs):
                 job = current
-                aside = _write_one(
-                    optimizer, job, uploader, undo, i in fresh, upload_batch, temporaries
-                )
+                aside = _write_one(optimizer, job, uploader, undo, i in fresh, upload_batch)
                 if aside is None:
                     written += 1
                     reports.state_written()
                     continue
-                if batch is not None and not _joins(batch[1], aside, uploader, temporaries):
+                dst = aside[0]
+                nbytes = dst.numel() * dst.element_size()
+                if batch is not None and (
+                    batch[1] != dst.device
+                    or batch_bytes + nbytes > uploader(dst.device).chunk_bytes
+                ):
                     upload_batch()
                 if batch is None:
-                    batch = (job, [])
-                batch[1].append(aside)
+                    batch = (job, dst.device, [])
+                batch[2].append(aside)
+                batch_bytes += nbytes
             upload_batch()
     except BaseException as exc:
         if undo is not None:
@@ -465,12 +390,12 @@ def _write_all(optimizer: Any, prepare: Callable[[], list[Job]], undo: _Rollback
             where = "preparing the first write failed"
         elif batch is not None and batch[0] is job:
             where = (
-                f"uploading the {len(batch[1])} states from state {job.name!r} of parameter "
+                f"uploading the {len(batch[2])} states from state {job.name!r} of parameter "
                 f"{job.index} on failed"
             )
         elif batch is not None:
             where = (
-                f"state {job.name!r} of parameter {job.index} failed (the {len(batch[1])} "
+                f"state {job.name!r} of parameter {job.index} failed (the {len(batch[2])} "
                 "states before it, set aside to be uploaded together, were not written either)"
             )
         elif written < len(jobs):

@@ -9,7 +9,6 @@ where there is one (:mod:`._workers`), the copies on the ring's stream (:mod:`._
 from __future__ import annotations
 
 import functools
-import math
 from contextlib import ExitStack
 from typing import Any
 
@@ -132,15 +131,6 @@ class Uploader:
             dst.numel() >= 2
             and dst.is_contiguous()
             and nbytes * BATCHED_SLOT_SHARE <= self._ring.slot_bytes
-        )
-
-    def fits_layout(self, shape: torch.Size, strides: tuple[int, ...], dtype: torch.dtype) -> bool:
-        """:meth:`fits` for a tensor of this shape, strides and dtype."""
-        numel = math.prod(shape)
-        return (
-            numel >= 2
-            and torch.empty_strided(shape, strides, device="meta").is_contiguous()
-            and numel * dtype.itemsize * BATCHED_SLOT_SHARE <= self._ring.slot_bytes
         )
 
     def write_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
