@@ -183,16 +183,22 @@ SET_ASIDE_FAULTS = {
 }
 
 
-@pytest.mark.parametrize("fault", list(SET_ASIDE_FAULTS))
-def test_a_fault_near_states_set_aside_says_which_were_written(
-    monkeypatch: pytest.MonkeyPatch, tiny_chunks: None, fault: str
-) -> None:
-    owner, attr, k, failed, says = SET_ASIDE_FAULTS[fault]
+def set_aside_case() -> tuple[dict[str, Any], Any]:
+    """A BF16 + remainders checkpoint and another optimizer to load it into."""
     source = build(torch.bfloat16, "remainder", seed=1)
     with export_placement("cpu"):
         checkpoint = source.state_dict()
-    target = build(torch.bfloat16, "remainder", seed=2)
-    old = states_in_order(target)
+    return checkpoint, build(torch.bfloat16, "remainder", seed=2)
+
+
+@pytest.mark.parametrize("rollback", [False, True])
+@pytest.mark.parametrize("fault", list(SET_ASIDE_FAULTS))
+def test_a_fault_near_states_set_aside_says_which_were_written(
+    monkeypatch: pytest.MonkeyPatch, tiny_chunks: None, fault: str, rollback: bool
+) -> None:
+    owner, attr, k, failed, says = SET_ASIDE_FAULTS[fault]
+    checkpoint, target = set_aside_case()
+    old, before = states_in_order(target), optimizer_view(target)
     calls: list[int] = []
     write_many = _upload.Uploader.write_many
     monkeypatch.setattr(
@@ -200,42 +206,29 @@ def test_a_fault_near_states_set_aside_says_which_were_written(
         "write_many",
         lambda up, pairs: calls.append(len(pairs)) or write_many(up, pairs),
     )
-    monkeypatch.setattr(
-        owner, attr, nth_call_raises(k, RuntimeError("injected"), getattr(owner, attr))
-    )
-    with pytest.raises(te_load.PartialLoadError) as caught, export_placement("cpu"):
+    exc = KeyboardInterrupt() if rollback else RuntimeError("injected")
+    monkeypatch.setattr(owner, attr, nth_call_raises(k, exc, getattr(owner, attr)))
+    expected = KeyboardInterrupt if rollback else te_load.PartialLoadError
+    with pytest.raises(expected) as caught, export_placement("cpu", rollback=rollback):
         target.load_state_dict(checkpoint)
     monkeypatch.undo()
-    error = caught.value
     assert calls == ([] if fault == "next state" else [3])
-    assert (error.written, error.total, (error.index, error.name)) == (6, 12, failed)
-    assert "6 of 12 states were written" in str(error) and says in str(error)
-    # The written states are the first six, as the count says; the rest are the old ones.
+    assert _ring.in_use() == 0
     reference = te_loaded(torch.bfloat16, "remainder", checkpoint)
-    now, loaded = states_in_order(target), states_in_order(reference)
-    assert all(torch.equal(a[2], b[2]) for a, b in zip(now[:6], loaded[:6], strict=True))
-    assert all(torch.equal(a[2], b[2]) for a, b in zip(now[6:], old[6:], strict=True))
+    if rollback:
+        assert_view_equal(before, optimizer_view(target))
+    else:
+        error = caught.value
+        assert isinstance(error, te_load.PartialLoadError)
+        assert (error.written, error.total, (error.index, error.name)) == (6, 12, failed)
+        assert "6 of 12 states were written" in str(error) and says in str(error)
+        # The written states are the first six, as the count says; the rest are the old ones.
+        now, loaded = states_in_order(target), states_in_order(reference)
+        assert all(torch.equal(a[2], b[2]) for a, b in zip(now[:6], loaded[:6], strict=True))
+        assert all(torch.equal(a[2], b[2]) for a, b in zip(now[6:], old[6:], strict=True))
     with export_placement("cpu"):
         target.load_state_dict(checkpoint)
     assert_view_equal(optimizer_view(reference), optimizer_view(target))
-
-
-@pytest.mark.parametrize("fault", ["conversion", "copies"])
-def test_a_fault_in_states_set_aside_rolls_back_exactly(
-    monkeypatch: pytest.MonkeyPatch, tiny_chunks: None, fault: str
-) -> None:
-    owner, attr, k, _, _ = SET_ASIDE_FAULTS[fault]
-    source = build(torch.bfloat16, "remainder", seed=1)
-    with export_placement("cpu"):
-        checkpoint = source.state_dict()
-    target = build(torch.bfloat16, "remainder", seed=2)
-    before = optimizer_view(target)
-    monkeypatch.setattr(owner, attr, nth_call_raises(k, KeyboardInterrupt(), getattr(owner, attr)))
-    with pytest.raises(KeyboardInterrupt), export_placement("cpu", rollback=True):
-        target.load_state_dict(checkpoint)
-    monkeypatch.undo()
-    assert_view_equal(before, optimizer_view(target))
-    assert _ring.in_use() == 0
 
 
 @pytest.mark.parametrize("where", ["state", "chunk"])
