@@ -217,13 +217,25 @@ def _write_one(
 
     A small host value for a dense BF16, FP32 or int16 state is not copied here: it is returned
     as ``(live tensor, value)``, for :func:`_write_all` to upload with the others that share a
-    staging slot (``Uploader.write_many``). Any other write first calls ``flush`` (which uploads
-    those set aside), so the states written when something fails are the first ones.
+    staging slot (``Uploader.write_many``). Any other state first calls ``flush`` (which uploads
+    those set aside), before it changes anything, so the states written when something fails
+    are the first ones and the others are as they were.
     """
     param, name = job.param, job.name
     state = optimizer.state[param]
     remainder = job.facts.remainder
     kind = job.facts.te_dtype
+    value = job.local
+    aside = (
+        _plain(value)
+        and value.device.type == "cpu"
+        and (remainder or kind in (torch.float32, torch.bfloat16))
+        and uploader(_tensors.local(param).device).takes(
+            value.numel(), 2 if remainder or kind == torch.bfloat16 else 4
+        )
+    )
+    if not aside:
+        flush()
     live = state.get(name)
     if live is not None and (fresh or _reusable(optimizer, job.facts, param, live) is None):
         del state[name]
@@ -239,16 +251,13 @@ def _write_one(
         # every state, as it empties the param's dict first (L536).
         optimizer._initialize_state(param, name, False, remainder)
         live = state[name]
-    value = job.local
-    if (
-        _plain(value)
-        and value.device.type == "cpu"
-        and (remainder or kind in (torch.float32, torch.bfloat16))
-    ):
+    if aside:
         dst = _tensors.local(live)
         if uploader(dst.device).fits(dst):
             return dst, value
-    flush()
+        # A live state laid out densely in another order: written on its own (its scale, reset
+        # above, is not read for a BF16 state, and a reusable state was not replaced).
+        flush()
     _write_value(optimizer, job, live, uploader)
     return None
 
@@ -330,6 +339,11 @@ def _note(exc: BaseException, message: str) -> None:
         exc.add_note(message)
 
 
+#: States set aside to be uploaded together: the first one's job, their device, and the
+#: (live tensor, value) pairs.
+_Batch = tuple[Job, torch.device, list[tuple[torch.Tensor, torch.Tensor]]]
+
+
 def _write_all(optimizer: Any, prepare: Callable[[], list[Job]], undo: _Rollback | None) -> None:
     """Writes the jobs ``prepare`` sets up; on a failure restores (``undo``) or says exactly
     what was written."""
@@ -337,8 +351,10 @@ def _write_all(optimizer: Any, prepare: Callable[[], list[Job]], undo: _Rollback
     written = 0
     job: Job | None = None
     # Small host values set aside by _write_one, uploaded together once a slot's worth (or
-    # another device's) comes: (the first such job, its device, the (live, value) pairs).
-    batch: tuple[Job, torch.device, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+    # another device's) comes; and the batch being uploaded, while it is.
+    batch: _Batch | None = None
+    uploading: _Batch | None = None
+    aside: tuple[torch.Tensor, torch.Tensor] | None = None
     batch_bytes = 0
     try:
         jobs = prepare()
@@ -346,36 +362,41 @@ def _write_all(optimizer: Any, prepare: Callable[[], list[Job]], undo: _Rollback
         with _uploaders() as uploader, torch.no_grad():
 
             def upload_batch() -> None:
-                nonlocal batch, batch_bytes, job, written
+                nonlocal batch, batch_bytes, uploading, written
                 if batch is None:
                     return
-                job, device, pairs = batch  # a failure now names the batch's first state
+                uploading, batch, batch_bytes = batch, None, 0
+                _, device, pairs = uploading
                 uploader(device).write_many(pairs)
                 written += len(pairs)
                 for _ in pairs:
                     reports.state_written()
-                batch, batch_bytes = None, 0
+                uploading = None
 
-            for i, current in enumerate(jobs):
-                job = current
+            for i, job in enumerate(jobs):
                 aside = _write_one(optimizer, job, uploader, undo, i in fresh, upload_batch)
                 if aside is None:
                     written += 1
                     reports.state_written()
                     continue
-                dst = aside[0]
-                nbytes = dst.numel() * dst.element_size()
+                device = aside[0].device
+                nbytes = aside[0].numel() * aside[0].element_size()
                 if batch is not None and (
-                    batch[1] != dst.device
-                    or batch_bytes + nbytes > uploader(dst.device).chunk_bytes
+                    batch[1] != device or batch_bytes + nbytes > uploader(device).chunk_bytes
                 ):
                     upload_batch()
                 if batch is None:
-                    batch = (job, dst.device, [])
+                    batch = (job, device, [])
                 batch[2].append(aside)
                 batch_bytes += nbytes
             upload_batch()
     except BaseException as exc:
+        # The failure names the batch being uploaded, if it was one, else the state being
+        # written; nothing of a batch stays referenced by the traceback (device tensors too).
+        failed = uploading[0] if uploading is not None else job
+        pending = 0 if batch is None else len(batch[2])
+        count = 0 if uploading is None else len(uploading[2])
+        batch = uploading = aside = None
         if undo is not None:
             try:
                 undo.restore(optimizer)
@@ -386,20 +407,20 @@ def _write_all(optimizer: Any, prepare: Callable[[], list[Job]], undo: _Rollback
                 ) from again
             _note(exc, "te_ckpt_placement: the optimizer's previous state was restored.")
             raise
-        if job is None:
+        if failed is None:
             where = "preparing the first write failed"
-        elif batch is not None and batch[0] is job:
+        elif count:
             where = (
-                f"uploading the {len(batch[2])} states from state {job.name!r} of parameter "
-                f"{job.index} on failed"
+                f"uploading the {count} states from state {failed.name!r} of parameter "
+                f"{failed.index} on failed"
             )
-        elif batch is not None:
+        elif pending:
             where = (
-                f"state {job.name!r} of parameter {job.index} failed (the {len(batch[2])} "
+                f"state {failed.name!r} of parameter {failed.index} failed (the {pending} "
                 "states before it, set aside to be uploaded together, were not written either)"
             )
         elif written < len(jobs):
-            where = f"state {job.name!r} of parameter {job.index} failed"
+            where = f"state {failed.name!r} of parameter {failed.index} failed"
         else:
             where = "waiting for the last copies failed"
         message = (
@@ -418,6 +439,6 @@ def _write_all(optimizer: Any, prepare: Callable[[], list[Job]], undo: _Rollback
             message,
             written=written,
             total=len(jobs),
-            index=job.index if job is not None else None,
-            name=job.name if job is not None else "",
+            index=failed.index if failed is not None else None,
+            name=failed.name if failed is not None else "",
         ) from exc

@@ -124,14 +124,14 @@ class Uploader:
                 self._upload(flat, *queued)
 
     def fits(self, dst: torch.Tensor) -> bool:
-        """Whether :meth:`write_many` takes ``dst``: contiguous, 2 elements or more, and at most
-        :data:`BATCHED_SLOT_SHARE` of a slot (larger ones gain nothing from sharing a slot)."""
-        nbytes = dst.numel() * dst.element_size()
-        return (
-            dst.numel() >= 2
-            and dst.is_contiguous()
-            and nbytes * BATCHED_SLOT_SHARE <= self._ring.slot_bytes
-        )
+        """Whether :meth:`write_many` takes ``dst``: contiguous and of a size it :meth:`takes`."""
+        return dst.is_contiguous() and self.takes(dst.numel(), dst.element_size())
+
+    def takes(self, numel: int, element_size: int) -> bool:
+        """Whether :meth:`write_many` takes a contiguous tensor of this size: 2 elements or more,
+        and at most 1/:data:`BATCHED_SLOT_SHARE` of a slot (larger ones gain nothing from sharing
+        one)."""
+        return numel >= 2 and numel * element_size * BATCHED_SLOT_SHARE <= self._ring.slot_bytes
 
     def write_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """:meth:`write` of each ``(dst, src)``, every ``dst`` one that :meth:`fits`.

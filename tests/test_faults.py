@@ -172,32 +172,98 @@ def test_load_fault_without_rollback_says_what_was_written_and_a_retry_repairs(
     assert_view_equal(optimizer_view(reference), optimizer_view(target))
 
 
-# Small states are set aside and uploaded together (Uploader.write_many); with 64-byte chunks
-# those are parameter 2's three states (jobs 6-8 of 12), uploaded before job 9 is written.
+# Small states are set aside and uploaded together (Uploader.write_many). With BF16 moments and
+# remainders in 64-byte chunks those are parameter 2's three states (jobs 6-8 of 12), uploaded
+# before job 9 is written; in 200-byte chunks jobs 3-10, then job 11 alone; with FP16 moments
+# and FP32 masters in 64-byte chunks parameter 2's master (job 8), before job 9 (FP16) is.
+# Each case: (moments, master, chunk bytes, where it fails, on which call, write_many's sizes,
+# states written, the state named, what the message says).
 SET_ASIDE_FAULTS = {
     # Job 9 fails before it could upload them: they are not written either.
-    "next state": (_te_load_write, "_write_one", 10, (3, "exp_avg"), "the 3 states before it"),
+    "next state": (
+        torch.bfloat16,
+        "remainder",
+        64,
+        (_te_load_write, "_write_one"),
+        10,
+        [],
+        6,
+        (3, "exp_avg"),
+        "state 'exp_avg' of parameter 3 failed (the 3 states before it",
+    ),
     # Their upload fails: in their conversion, or in their copies.
-    "conversion": (_upload, "_fill_all", 1, (2, "exp_avg"), "uploading the 3 states from state"),
-    "copies": (_ring.Ring, "copy_many", 1, (2, "exp_avg"), "uploading the 3 states from state"),
+    "conversion": (
+        torch.bfloat16,
+        "remainder",
+        64,
+        (_upload, "_fill_all"),
+        1,
+        [3],
+        6,
+        (2, "exp_avg"),
+        "uploading the 3 states from state 'exp_avg' of parameter 2 on failed",
+    ),
+    "copies": (
+        torch.bfloat16,
+        "remainder",
+        64,
+        (_ring.Ring, "copy_many"),
+        1,
+        [3],
+        6,
+        (2, "exp_avg"),
+        "uploading the 3 states from state 'exp_avg' of parameter 2 on failed",
+    ),
+    # Job 9 fails in its own write, after they were uploaded.
+    "after them": (
+        torch.bfloat16,
+        "remainder",
+        64,
+        (_te_load_write, "_write_value"),
+        7,
+        [3],
+        9,
+        (3, "exp_avg"),
+        "state 'exp_avg' of parameter 3 failed (RuntimeError",
+    ),
+    # The second batch fails: it is the one named.
+    "second batch": (
+        torch.bfloat16,
+        "remainder",
+        200,
+        (_upload.Uploader, "write_many"),
+        2,
+        [8],
+        11,
+        (3, "master_param"),
+        "uploading the 1 states from state 'master_param' of parameter 3",
+    ),
+    # Their upload, before an FP16 state, fails: that state (and its scale) is as it was.
+    "before a scaled state": (
+        torch.float16,
+        "fp32",
+        64,
+        (_upload.Uploader, "write_many"),
+        1,
+        [],
+        8,
+        (2, "master_param"),
+        "uploading the 1 states from state 'master_param' of parameter 2",
+    ),
 }
-
-
-def set_aside_case() -> tuple[dict[str, Any], Any]:
-    """A BF16 + remainders checkpoint and another optimizer to load it into."""
-    source = build(torch.bfloat16, "remainder", seed=1)
-    with export_placement("cpu"):
-        checkpoint = source.state_dict()
-    return checkpoint, build(torch.bfloat16, "remainder", seed=2)
 
 
 @pytest.mark.parametrize("rollback", [False, True])
 @pytest.mark.parametrize("fault", list(SET_ASIDE_FAULTS))
 def test_a_fault_near_states_set_aside_says_which_were_written(
-    monkeypatch: pytest.MonkeyPatch, tiny_chunks: None, fault: str, rollback: bool
+    monkeypatch: pytest.MonkeyPatch, fault: str, rollback: bool
 ) -> None:
-    owner, attr, k, failed, says = SET_ASIDE_FAULTS[fault]
-    checkpoint, target = set_aside_case()
+    moments, master, chunk, where, k, sizes, written, failed, says = SET_ASIDE_FAULTS[fault]
+    monkeypatch.setattr(_ring, "CHUNK_BYTES", chunk)
+    source = build(moments, master, seed=1)
+    with export_placement("cpu"):
+        checkpoint = source.state_dict()
+    target = build(moments, master, seed=2)
     old, before = states_in_order(target), optimizer_view(target)
     calls: list[int] = []
     write_many = _upload.Uploader.write_many
@@ -207,25 +273,32 @@ def test_a_fault_near_states_set_aside_says_which_were_written(
         lambda up, pairs: calls.append(len(pairs)) or write_many(up, pairs),
     )
     exc = KeyboardInterrupt() if rollback else RuntimeError("injected")
+    owner, attr = where
     monkeypatch.setattr(owner, attr, nth_call_raises(k, exc, getattr(owner, attr)))
     expected = KeyboardInterrupt if rollback else te_load.PartialLoadError
     with pytest.raises(expected) as caught, export_placement("cpu", rollback=rollback):
         target.load_state_dict(checkpoint)
     monkeypatch.undo()
-    assert calls == ([] if fault == "next state" else [3])
+    assert calls == sizes
     assert _ring.in_use() == 0
-    reference = te_loaded(torch.bfloat16, "remainder", checkpoint)
+    reference = te_loaded(moments, master, checkpoint)
     if rollback:
         assert_view_equal(before, optimizer_view(target))
     else:
         error = caught.value
         assert isinstance(error, te_load.PartialLoadError)
-        assert (error.written, error.total, (error.index, error.name)) == (6, 12, failed)
-        assert "6 of 12 states were written" in str(error) and says in str(error)
-        # The written states are the first six, as the count says; the rest are the old ones.
+        assert (error.written, error.total, (error.index, error.name)) == (written, 12, failed)
+        assert f"{written} of 12 states were written" in str(error) and says in str(error)
+        # The written states are the first ones, as the count says; the others, and their
+        # scales, are the old ones.
         now, loaded = states_in_order(target), states_in_order(reference)
-        assert all(torch.equal(a[2], b[2]) for a, b in zip(now[:6], loaded[:6], strict=True))
-        assert all(torch.equal(a[2], b[2]) for a, b in zip(now[6:], old[6:], strict=True))
+        pairs = list(zip(now, loaded, old, strict=True))
+        assert all(torch.equal(a[2], b[2]) for a, b, _ in pairs[:written])
+        assert all(torch.equal(a[2], c[2]) for a, _, c in pairs[written:])
+        scales, old_scales = optimizer_view(target)[2], before[2]
+        for i, name, _ in now[written:]:
+            if name in old_scales[i]:
+                assert torch.equal(scales[i][name], old_scales[i][name]), (i, name)
     with export_placement("cpu"):
         target.load_state_dict(checkpoint)
     assert_view_equal(optimizer_view(reference), optimizer_view(target))

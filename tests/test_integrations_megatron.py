@@ -31,13 +31,20 @@ import pytest
 import torch
 
 import te_ckpt_placement
-from te_ckpt_placement import ContractError, Placement, export_placement, last_report
+from te_ckpt_placement import (
+    ContractError,
+    Placement,
+    _te_load_write,
+    export_placement,
+    last_report,
+)
 from te_ckpt_placement import _export as engine
 from te_ckpt_placement.integrations import megatron
 from te_ckpt_placement.integrations._methods import placed_methods
 
 from .support import megatron_driver as md
 from .support import megatron_standin as ms
+from .support.faults import nth_call_raises
 from .support.helpers import bits
 from .support.standin import StandInFusedAdam
 
@@ -588,6 +595,56 @@ def test_a_read_inside_the_load_sees_tes_round_trip_done(
     assert torch.equal(read[True], read[False])
     assert int(read[False][0]) != 0x7F810000, "the round trip changed nothing to read"
     assert_same_raw(runs[True].inner, runs[False].inner)
+
+
+@pytest.mark.parametrize("failing", ["megatron", "write, rolled back"])
+def test_a_failed_load_leaves_tes_round_trip_done(
+    api: SimpleNamespace, monkeypatch: pytest.MonkeyPatch, failing: str
+) -> None:
+    # The BF16 moments' round trip (L965), left for the end of the load, still happens when
+    # Megatron's own load fails after it, and when the write of the loaded states fails and is
+    # rolled back: the moments end as Megatron's own load leaves them when it fails right after
+    # its round trip (here: a NaN's payload canonicalized).
+    kwargs = {"moments": torch.bfloat16, "master": "fp32"}
+    built = ms.build(api, seed=3, **kwargs)
+    saved = built.optimizer.sharded_state_dict(
+        built.model_sharded_state_dict(), metadata=DP_RESHARDABLE
+    )
+    cls = type(built.optimizer)
+    load_from = cls.load_parameter_state_from_dp_reshardable
+    moments: dict[bool, dict[tuple[int, int, str], torch.Tensor]] = {}
+    for placing in (False, True):
+        run = ms.build(api, seed=4, **kwargs)
+        if placing:
+            placement = Placement(device="cpu", rollback=failing != "megatron")
+            megatron.place_optimizer(run.optimizer, placement)
+        template = run.optimizer.sharded_state_dict(
+            run.model_sharded_state_dict(), is_loading=True, metadata=DP_RESHARDABLE
+        )
+        for states in run.inner.state.values():
+            states["exp_avg"].view(-1).view(torch.int16)[0] = 0x7F81  # a NaN with a payload
+        with pytest.MonkeyPatch.context() as mp:
+            if placing and failing != "megatron":
+                write = _te_load_write._write_one
+                mp.setattr(
+                    _te_load_write, "_write_one", nth_call_raises(1, RuntimeError("x"), write)
+                )
+            else:
+                mp.setattr(
+                    cls,
+                    "load_parameter_state_from_dp_reshardable",
+                    nth_call_raises(1, RuntimeError("x"), load_from),
+                )
+            with pytest.raises(RuntimeError, match="x"):
+                run.optimizer.load_state_dict(simulate_load(template, saved))
+        moments[placing] = {k: v for k, v in raw_states(run.inner).items() if "exp_avg" in k[2]}
+    assert moments[True].keys() == moments[False].keys()
+    assert all(torch.equal(bits(moments[True][k]), bits(moments[False][k])) for k in moments[False])
+    assert all(
+        int(v.view(-1).view(torch.int16)[0]) != 0x7F81
+        for k, v in moments[False].items()
+        if k[2] == "exp_avg"
+    )
 
 
 @pytest.mark.parametrize(("moments", "master"), STORAGE, ids=STORAGE_IDS)

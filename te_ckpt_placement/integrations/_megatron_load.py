@@ -54,11 +54,11 @@ def template_state(
     ``get_unscaled_state`` returns (L327-356), as Megatron's own ``fully_reshardable`` template is
     empty (``empty_data``, L1737). Each owns exactly its bytes: views of one buffer would each
     pickle the whole buffer, as Megatron's ``gather_object`` exchange of loaded tensors does.
-    One large enough for the host workers' team is faulted in there (``_pool.touch_pages``); a
-    smaller one is left to the read that fills it, as the tensors Megatron's own read makes
-    (``torch.load``) are: faulting in a model's many small states one by one on the calling
-    thread made a test-size template several times slower than Megatron's
-    (docs/performance-log.md section 15).
+    One large enough for the host workers' team is faulted in now (``_pool.touch_pages``, on the
+    team where there is one); a smaller one is left to the read that fills it, as the tensors
+    Megatron's own read makes (``torch.load``) are: faulting in a model's many small states one
+    by one on the calling thread made a test-size template several times slower than
+    Megatron's (docs/performance-log.md section 15).
     """
     facts = te_contract.state_facts(inner, param, name)
     if facts is None:  # raises the export's error for a state TE does not keep

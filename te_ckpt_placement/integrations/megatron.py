@@ -318,6 +318,10 @@ def _load_state_dict(optimizer: Any, original: Callable[[Any], Any], state_dict:
         try:
             with _including(_TORCH_STATE_DICT, inner), _including(_RELOAD, inner):
                 result = original(state_dict)
+        except BaseException:
+            # Megatron's load failed after TE's: its round trip is done, as it would have been.
+            deferred.finish_round_trip()
+            raise
         finally:
             _DEFERRED.reset(token)
         # TE's round trip sets the BF16 and FP16 states that the loaded ones do not overwrite;
@@ -326,8 +330,9 @@ def _load_state_dict(optimizer: Any, original: Callable[[Any], Any], state_dict:
         if not deferred.states and not deferred.in_place:  # no param_state (a template's)
             return result
         # The loaded states, read last by Megatron (L1070-1088), in one pipeline.
+        rollback = _rollback()
         try:
-            te_load.load_states(inner, deferred.states, rollback=_rollback())
+            te_load.load_states(inner, deferred.states, rollback=rollback)
         except ValueError as exc:  # checked before any of them was written
             deferred.finish_round_trip()  # as TE's round trip left them
             exc.add_note(
@@ -342,6 +347,13 @@ def _load_state_dict(optimizer: Any, original: Callable[[Any], Any], state_dict:
                     else "."
                 )
             )
+            raise
+        except BaseException:
+            # Rolled back, the states are as before the write: TE's round trip then sets them
+            # as Megatron's own load would have left them. Without rollback the optimizer holds
+            # a mix that must be loaded again (PartialLoadError), round trip or not.
+            if rollback:
+                deferred.finish_round_trip()
             raise
         return result
 
