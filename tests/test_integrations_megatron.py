@@ -557,19 +557,40 @@ def test_load_into_a_trained_optimizer_equals_megatrons(
         assert_same_raw(runs[True].inner, built.inner)
 
 
+BF16_FP32 = {"moments": torch.bfloat16, "master": "fp32"}
+
+
+def _saved_bf16(api: SimpleNamespace) -> Any:
+    """A trained run's dp_reshardable checkpoint, BF16 moments and FP32 masters."""
+    built = ms.build(api, seed=3, **BF16_FP32)
+    return built.optimizer.sharded_state_dict(
+        built.model_sharded_state_dict(), metadata=DP_RESHARDABLE
+    )
+
+
+def _run_with_nan_payloads(api: SimpleNamespace, placement: Any) -> tuple[ms.Built, Any]:
+    """Another run (placed if ``placement`` is not None) and its load template (whose making
+    round-trips the states, L1538), after which every BF16 ``exp_avg`` starts with a NaN with a
+    payload: TE's round trip of the load (L965) canonicalizes it."""
+    run = ms.build(api, seed=4, **BF16_FP32)
+    if placement is not None:
+        megatron.place_optimizer(run.optimizer, placement)
+    template = run.optimizer.sharded_state_dict(
+        run.model_sharded_state_dict(), is_loading=True, metadata=DP_RESHARDABLE
+    )
+    for states in run.inner.state.values():
+        states["exp_avg"].view(-1).view(torch.int16)[0] = 0x7F81
+    return run, template
+
+
 def test_a_read_inside_the_load_sees_tes_round_trip_done(
     api: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # TE's round trip (L965) of the 16-bit moments is left out where the loaded states
     # overwrite them. A loader that reads the states before it sets them (as
-    # dp_zero_gather_scatter's does, L2310) must read them as the round trip leaves them: here
-    # it canonicalizes a BF16 NaN's payload.
-    kwargs = {"moments": torch.bfloat16, "master": "fp32"}
-    built = ms.build(api, seed=3, **kwargs)
-    saved = built.optimizer.sharded_state_dict(
-        built.model_sharded_state_dict(), metadata=DP_RESHARDABLE
-    )
-    cls = type(built.optimizer)
+    # dp_zero_gather_scatter's does, L2310) must read them as the round trip leaves them.
+    saved = _saved_bf16(api)
+    cls = api.DistributedOptimizer
     load_from = cls.load_parameter_state_from_dp_reshardable
     read: dict[bool, torch.Tensor] = {}
 
@@ -582,14 +603,7 @@ def test_a_read_inside_the_load_sees_tes_round_trip_done(
     monkeypatch.setattr(cls, "load_parameter_state_from_dp_reshardable", reading_first)
     runs = {}
     for placing in (False, True):
-        run = ms.build(api, seed=4, **kwargs)
-        if placing:
-            megatron.place_optimizer(run.optimizer)
-        template = run.optimizer.sharded_state_dict(
-            run.model_sharded_state_dict(), is_loading=True, metadata=DP_RESHARDABLE
-        )  # (with a round trip of its own, L1538)
-        for states in run.inner.state.values():
-            states["exp_avg"].view(-1).view(torch.int16)[0] = 0x7F81  # a NaN with a payload
+        run, template = _run_with_nan_payloads(api, "cpu" if placing else None)
         run.optimizer.load_state_dict(simulate_load(template, saved))
         runs[placing] = run
     assert torch.equal(read[True], read[False])
@@ -598,53 +612,31 @@ def test_a_read_inside_the_load_sees_tes_round_trip_done(
 
 
 @pytest.mark.parametrize("failing", ["megatron", "write, rolled back"])
-def test_a_failed_load_leaves_tes_round_trip_done(
-    api: SimpleNamespace, monkeypatch: pytest.MonkeyPatch, failing: str
-) -> None:
+def test_a_failed_load_leaves_tes_round_trip_done(api: SimpleNamespace, failing: str) -> None:
     # The BF16 moments' round trip (L965), left for the end of the load, still happens when
     # Megatron's own load fails after it, and when the write of the loaded states fails and is
     # rolled back: the moments end as Megatron's own load leaves them when it fails right after
-    # its round trip (here: a NaN's payload canonicalized).
-    kwargs = {"moments": torch.bfloat16, "master": "fp32"}
-    built = ms.build(api, seed=3, **kwargs)
-    saved = built.optimizer.sharded_state_dict(
-        built.model_sharded_state_dict(), metadata=DP_RESHARDABLE
-    )
-    cls = type(built.optimizer)
-    load_from = cls.load_parameter_state_from_dp_reshardable
+    # its round trip.
+    saved = _saved_bf16(api)
+    cls = api.DistributedOptimizer
     moments: dict[bool, dict[tuple[int, int, str], torch.Tensor]] = {}
     for placing in (False, True):
-        run = ms.build(api, seed=4, **kwargs)
-        if placing:
-            placement = Placement(device="cpu", rollback=failing != "megatron")
-            megatron.place_optimizer(run.optimizer, placement)
-        template = run.optimizer.sharded_state_dict(
-            run.model_sharded_state_dict(), is_loading=True, metadata=DP_RESHARDABLE
-        )
-        for states in run.inner.state.values():
-            states["exp_avg"].view(-1).view(torch.int16)[0] = 0x7F81  # a NaN with a payload
+        placement = Placement(device="cpu", rollback=failing != "megatron") if placing else None
+        run, template = _run_with_nan_payloads(api, placement)
         with pytest.MonkeyPatch.context() as mp:
-            if placing and failing != "megatron":
-                write = _te_load_write._write_one
-                mp.setattr(
-                    _te_load_write, "_write_one", nth_call_raises(1, RuntimeError("x"), write)
-                )
-            else:
-                mp.setattr(
-                    cls,
-                    "load_parameter_state_from_dp_reshardable",
-                    nth_call_raises(1, RuntimeError("x"), load_from),
-                )
+            owner, attr = (
+                (_te_load_write, "_write_one")
+                if placing and failing != "megatron"
+                else (cls, "load_parameter_state_from_dp_reshardable")
+            )
+            mp.setattr(owner, attr, nth_call_raises(1, RuntimeError("x"), getattr(owner, attr)))
             with pytest.raises(RuntimeError, match="x"):
                 run.optimizer.load_state_dict(simulate_load(template, saved))
         moments[placing] = {k: v for k, v in raw_states(run.inner).items() if "exp_avg" in k[2]}
     assert moments[True].keys() == moments[False].keys()
     assert all(torch.equal(bits(moments[True][k]), bits(moments[False][k])) for k in moments[False])
-    assert all(
-        int(v.view(-1).view(torch.int16)[0]) != 0x7F81
-        for k, v in moments[False].items()
-        if k[2] == "exp_avg"
-    )
+    firsts = [int(v.view(-1).view(torch.int16)[0]) for k, v in moments[False].items()]
+    assert 0x7F81 not in firsts, "the round trip changed nothing"
 
 
 @pytest.mark.parametrize(("moments", "master"), STORAGE, ids=STORAGE_IDS)
