@@ -106,27 +106,24 @@ class Ring:
 
         ``i`` None records no event (copies into memory the ring does not own).
         """
+        self._copies(i, [(dst, src)])
+
+    def copy_many(self, i: int, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """:meth:`copy` of every ``(dst, src)``, all from slot ``i``, recording its event once."""
+        self._copies(i, pairs)
+
+    def _copies(self, i: int | None, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         if self.stream is None:
-            dst.copy_(src)
+            for dst, src in pairs:
+                dst.copy_(src)
             if i is not None:
                 self.events[i % self.slots].record()
             return
         with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
-            if i is not None:
-                self.events[i % self.slots].record(self.stream)
-
-    def copy_many(self, i: int, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """:meth:`copy` of every ``(dst, src)``, all from slot ``i``, recording its event once."""
-        if self.stream is None:
-            for dst, src in pairs:
-                dst.copy_(src)
-            self.events[i % self.slots].record()
-            return
-        with torch.cuda.stream(self.stream):
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
-            self.events[i % self.slots].record(self.stream)
+            if i is not None:
+                self.events[i % self.slots].record(self.stream)
 
     def wait(self, i: int) -> None:
         """Waits until the copy last recorded on slot ``i`` has completed."""

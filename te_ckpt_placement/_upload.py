@@ -149,6 +149,16 @@ class Uploader:
             queued: Any = None  # the previous slot's: (its conversions, slot, copies)
             batch: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
             elements = 0
+
+            def hand_over() -> None:
+                """Hands this slot's conversions over, then queues the previous slot's copies."""
+                nonlocal queued, batch, elements
+                converting = tasks.submit(_fill_all, batch, elements=elements)
+                if queued is not None:
+                    self._upload_all(*queued)
+                queued = (converting, self._slot, batch)
+                batch, elements = [], 0
+
             for dst, src in pairs:
                 if not self.fits(dst):
                     raise ValueError(f"write_many takes what fits in a slot, not {dst.shape}")
@@ -158,19 +168,12 @@ class Uploader:
                 if recorder is not None:
                     recorder.uploaded(n * size, wide)
                 if batch and self._offset + n * size > ring.slot_bytes:  # a new slot starts
-                    converting = tasks.submit(_fill_all, batch, elements=elements)
-                    if queued is not None:
-                        self._upload_all(*queued)
-                    queued = (converting, self._slot, batch)
-                    batch, elements = [], 0
+                    hand_over()
                 buf = self._take(n * size).view(dst.dtype).view(dst.shape)
                 batch.append((buf, src, dst))
                 elements += n
             if batch:
-                converting = tasks.submit(_fill_all, batch, elements=elements)
-                if queued is not None:
-                    self._upload_all(*queued)
-                queued = (converting, self._slot, batch)
+                hand_over()
             if queued is not None:
                 self._upload_all(*queued)
 
