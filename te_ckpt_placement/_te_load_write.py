@@ -205,37 +205,78 @@ def _uploaders() -> Iterator[Any]:
         yield get
 
 
+class Aside(NamedTuple):
+    """A small host value set aside by :func:`_write_one`, uploaded with the others that share a
+    staging slot (``Uploader.write_many``): into ``dst``, the live BF16, FP32 or int16 state, or,
+    where ``dst`` is None (an FP16 or FP8 state, left as it is until then), into a device FP32
+    copy of ``temporary`` bytes that TE then scales from (``set_scaled_state``)."""
+
+    job: Job
+    device: torch.device
+    dst: torch.Tensor | None
+    nbytes: int  # in the staging slot
+    temporary: int  # device bytes of its piece of the shared FP32 temporary
+    fresh: bool
+
+
+#: A callable that uploads the states set aside unless one of ``nbytes`` in the slot, holding
+#: ``temporary`` device bytes, can join them on ``device`` (None: it cannot).
+Room = Callable[[torch.device | None, int, int], None]
+
+
 def _write_one(
     optimizer: Any,
     job: Job,
     uploader: Any,
     undo: _Rollback | None,
     fresh: bool,
-    flush: Callable[[], None],
-) -> tuple[torch.Tensor, torch.Tensor] | None:
+    room: Room,
+) -> Aside | None:
     """Writes one state as TE's ``load_state_dict`` leaves it (L532-548 with L366-455).
 
-    A small host value for a dense BF16, FP32 or int16 state is not copied here: it is returned
-    as ``(live tensor, value)``, for :func:`_write_all` to upload with the others that share a
-    staging slot (``Uploader.write_many``). Any other state first calls ``flush`` (which uploads
-    those set aside), before it changes anything, so the states written when something fails
-    are the first ones and the others are as they were.
+    A small host value is not copied here but returned (:class:`Aside`), for :func:`_write_all`
+    to upload with the others that share a staging slot: a dense BF16, FP32 or int16 state's
+    live tensor made ready for it, an FP16 or FP8 state untouched until its copy has landed
+    (:func:`_upload_together` then writes it as this would). Before it changes anything, any
+    state first calls ``room``, which uploads those set aside unless this one joins them, so the
+    states written when something fails are the first ones and the others are as they were.
     """
-    param, name = job.param, job.name
-    state = optimizer.state[param]
+    param = job.param
     remainder = job.facts.remainder
     kind = job.facts.te_dtype
     value = job.local
+    device = _tensors.local(param).device
+    host = _plain(value) and value.device.type == "cpu"
+    if host and job.facts.scaled and _unscaled_is_dense(value, device):
+        numel = value.numel()
+        if uploader(device).takes(numel, 4):
+            piece = _aligned(4 * numel)
+            room(device, 4 * numel, piece)
+            return Aside(job, device, None, 4 * numel, piece, fresh)
+    size = 2 if remainder or kind == torch.bfloat16 else 4
     aside = (
-        _plain(value)
-        and value.device.type == "cpu"
+        host
         and (remainder or kind in (torch.float32, torch.bfloat16))
-        and uploader(_tensors.local(param).device).takes(
-            value.numel(), 2 if remainder or kind == torch.bfloat16 else 4
-        )
+        and uploader(device).takes(value.numel(), size)
     )
-    if not aside:
-        flush()
+    room(device if aside else None, size * value.numel(), 0)
+    live = _prepare(optimizer, job, undo, fresh)
+    if aside:
+        dst = _tensors.local(live)
+        if uploader(dst.device).fits(dst):
+            return Aside(job, dst.device, dst, size * value.numel(), 0, fresh)
+        # A live state laid out densely in another order: written on its own (its scale, reset
+        # above, is not read for a BF16 state, and a reusable state was not replaced).
+        room(None, 0, 0)
+    _write_value(optimizer, job, live, uploader)
+    return None
+
+
+def _prepare(optimizer: Any, job: Job, undo: _Rollback | None, fresh: bool) -> Any:
+    """The live state ``job`` is written into, as TE's load makes it (L452, L387-388, L536): the
+    reusable one (kept for ``undo``, its scale reset), else a new one."""
+    param, name = job.param, job.name
+    state = optimizer.state[param]
     live = state.get(name)
     if live is not None and (fresh or _reusable(optimizer, job.facts, param, live) is None):
         del state[name]
@@ -243,23 +284,90 @@ def _write_one(
     if live is not None:
         if undo is not None:
             undo.keep_state(optimizer, param, name, live)
-        if kind != torch.float32:
+        if job.facts.te_dtype != torch.float32:
             # TE's load starts every scale from a fresh torch.ones (L452).
             optimizer._scales[param][name].fill_(1.0)
-    else:
-        # What set_scaled_state does for a missing state (L387-388); TE's load gets there for
-        # every state, as it empties the param's dict first (L536).
-        optimizer._initialize_state(param, name, False, remainder)
-        live = state[name]
-    if aside:
-        dst = _tensors.local(live)
-        if uploader(dst.device).fits(dst):
-            return dst, value
-        # A live state laid out densely in another order: written on its own (its scale, reset
-        # above, is not read for a BF16 state, and a reusable state was not replaced).
-        flush()
-    _write_value(optimizer, job, live, uploader)
-    return None
+        return live
+    # What set_scaled_state does for a missing state (L387-388); TE's load gets there for
+    # every state, as it empties the param's dict first (L536).
+    optimizer._initialize_state(param, name, False, job.facts.remainder)
+    return state[name]
+
+
+def _unscaled_is_dense(value: torch.Tensor, device: torch.device) -> bool:
+    """Whether the FP32 device copy TE scales a host FP16 or FP8 value from (see
+    :func:`_write_value`) is contiguous, so that it can be a piece of one shared temporary."""
+    if device.type != "cpu":
+        return True
+    if _tensors.memory_order(value) is None:  # TE's move keeps its gaps (_write_value)
+        return False
+    strides = _tensors.te_layout_like(value, torch.float32)
+    return bool(torch.empty_strided(value.shape, strides, device="meta").is_contiguous())
+
+
+#: torch's CUDA caching allocator hands out whole blocks of this many bytes.
+_ALLOCATOR_BLOCK = 512
+
+#: Each FP16/FP8 state's piece of a shared FP32 temporary starts this aligned (cudaMalloc's
+#: alignment): TE's kernels may load it in vectors, as they load a temporary of its own.
+_PIECE_ALIGN = 256
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _PIECE_ALIGN) * _PIECE_ALIGN
+
+
+def _in_blocks(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole allocator blocks: what a device tensor of them holds."""
+    return -(-nbytes // _ALLOCATOR_BLOCK) * _ALLOCATOR_BLOCK
+
+
+def _largest_temporary(jobs: list[Job]) -> int:
+    """The device bytes, in allocator blocks, of the largest FP32 copy that writing one of
+    ``jobs`` on its own would hold (TE scales a host FP16 or FP8 value from one)."""
+    return max(
+        (
+            _in_blocks(4 * j.local.numel())
+            for j in jobs
+            if j.facts.scaled and _plain(j.local) and j.local.device.type == "cpu"
+        ),
+        default=0,
+    )
+
+
+def _upload_together(optimizer: Any, batch: _Batch, uploader: Any, undo: _Rollback | None) -> None:
+    """Uploads the states set aside together, then has TE scale the FP16 and FP8 ones from
+    their pieces of one device FP32 temporary, each written as :func:`_write_value` writes it."""
+    up = uploader(batch.device)
+    scaled = [a for a in batch.asides if a.dst is None]
+    nbytes = sum(a.temporary for a in scaled)
+    unscaled = torch.empty(nbytes // 4, device=batch.device) if scaled else None
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    pieces: list[torch.Tensor] = []
+    try:
+        offset = 0
+        for a in batch.asides:
+            value = a.job.local
+            if a.dst is None:
+                assert unscaled is not None
+                piece = unscaled[offset : offset + value.numel()].view(value.shape)
+                offset += a.temporary // 4
+                pieces.append(piece)
+                pairs.append((piece, value))
+            else:
+                pairs.append((a.dst, value))
+        if scaled:
+            reports.device_temporary(nbytes)
+        up.write_many(pairs)
+        if scaled:
+            up.fence()  # the copies have landed before TE scales from them
+            for a, piece in zip(scaled, pieces, strict=True):
+                _prepare(optimizer, a.job, undo, a.fresh)
+                optimizer.set_scaled_state(a.job.param, a.job.name, piece)
+    finally:
+        # Freed on the current stream after the fence, so no copy still writes it; and not kept
+        # alive by the traceback of a failure.
+        del unscaled, pairs, pieces
 
 
 def _write_value(optimizer: Any, job: Job, live: Any, uploader: Any) -> None:
@@ -339,9 +447,13 @@ def _note(exc: BaseException, message: str) -> None:
         exc.add_note(message)
 
 
-#: States set aside to be uploaded together: the first one's job, their device, and the
-#: (live tensor, value) pairs.
-_Batch = tuple[Job, torch.device, list[tuple[torch.Tensor, torch.Tensor]]]
+class _Batch(NamedTuple):
+    """States set aside to be uploaded together, on one device."""
+
+    device: torch.device
+    asides: list[Aside]
+    nbytes: int  # in the staging slot
+    temporary: int  # device bytes of the FP16/FP8 states' FP32 copies
 
 
 def _write_all(optimizer: Any, prepare: Callable[[], list[Job]], undo: _Rollback | None) -> None:
@@ -351,51 +463,59 @@ def _write_all(optimizer: Any, prepare: Callable[[], list[Job]], undo: _Rollback
     written = 0
     job: Job | None = None
     # Small host values set aside by _write_one, uploaded together once a slot's worth (or
-    # another device's) comes; and the batch being uploaded, while it is.
+    # another device's, or more FP32 copies than the largest state alone needs) comes; and the
+    # batch being uploaded, while it is.
     batch: _Batch | None = None
     uploading: _Batch | None = None
-    aside: tuple[torch.Tensor, torch.Tensor] | None = None
-    batch_bytes = 0
+    aside: Aside | None = None
     try:
         jobs = prepare()
         fresh = _aliased(optimizer, jobs)
+        # The FP16/FP8 states set aside together hold no more device memory than the largest
+        # one written alone would.
+        temporaries = _largest_temporary(jobs)
         with _uploaders() as uploader, torch.no_grad():
 
             def upload_batch() -> None:
-                nonlocal batch, batch_bytes, uploading, written
+                nonlocal batch, uploading, written
                 if batch is None:
                     return
-                uploading, batch, batch_bytes = batch, None, 0
-                _, device, pairs = uploading
-                uploader(device).write_many(pairs)
-                written += len(pairs)
-                for _ in pairs:
+                uploading, batch = batch, None
+                _upload_together(optimizer, uploading, uploader, undo)
+                written += len(uploading.asides)
+                for _ in uploading.asides:
                     reports.state_written()
                 uploading = None
 
+            def room(device: torch.device | None, nbytes: int, temporary: int) -> None:
+                if batch is not None and (
+                    device != batch.device
+                    or batch.nbytes + nbytes > uploader(batch.device).chunk_bytes
+                    or _in_blocks(batch.temporary + temporary) > temporaries
+                ):
+                    upload_batch()
+
             for i, job in enumerate(jobs):
-                aside = _write_one(optimizer, job, uploader, undo, i in fresh, upload_batch)
+                aside = _write_one(optimizer, job, uploader, undo, i in fresh, room)
                 if aside is None:
                     written += 1
                     reports.state_written()
                     continue
-                device = aside[0].device
-                nbytes = aside[0].numel() * aside[0].element_size()
-                if batch is not None and (
-                    batch[1] != device or batch_bytes + nbytes > uploader(device).chunk_bytes
-                ):
-                    upload_batch()
                 if batch is None:
-                    batch = (job, device, [])
-                batch[2].append(aside)
-                batch_bytes += nbytes
+                    batch = _Batch(aside.device, [], 0, 0)
+                batch = batch._replace(
+                    nbytes=batch.nbytes + aside.nbytes,
+                    temporary=batch.temporary + aside.temporary,
+                )
+                batch.asides.append(aside)
+                aside = None
             upload_batch()
     except BaseException as exc:
         # The failure names the batch being uploaded, if it was one, else the state being
         # written; nothing of a batch stays referenced by the traceback (device tensors too).
-        failed = uploading[0] if uploading is not None else job
-        pending = 0 if batch is None else len(batch[2])
-        count = 0 if uploading is None else len(uploading[2])
+        failed = uploading.asides[0].job if uploading is not None else job
+        pending = 0 if batch is None else len(batch.asides)
+        count = 0 if uploading is None else len(uploading.asides)
         batch = uploading = aside = None
         if undo is not None:
             try:

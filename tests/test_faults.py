@@ -175,7 +175,8 @@ def test_load_fault_without_rollback_says_what_was_written_and_a_retry_repairs(
 # Small states are set aside and uploaded together (Uploader.write_many). With BF16 moments and
 # remainders in 64-byte chunks those are parameter 2's three states (jobs 6-8 of 12), uploaded
 # before job 9 is written; in 200-byte chunks jobs 3-10, then job 11 alone; with FP16 moments
-# and FP32 masters in 64-byte chunks parameter 2's master (job 8), before job 9 (FP16) is.
+# and FP32 masters in 64-byte chunks parameter 2's three states too (its FP16 moments into one
+# FP32 temporary that TE scales from), before job 9 (FP16) is.
 # Each case: (moments, master, chunk bytes, where it fails, on which call, write_many's sizes,
 # states written, the state named, what the message says).
 SET_ASIDE_FAULTS = {
@@ -238,7 +239,8 @@ SET_ASIDE_FAULTS = {
         (3, "master_param"),
         "uploading the 1 states from state 'master_param' of parameter 3",
     ),
-    # Their upload, before an FP16 state, fails: that state (and its scale) is as it was.
+    # Their upload, before an FP16 state, fails: that state (and its scale) is as it was, and
+    # so are the FP16 states among them (TE scales them only once their copies have landed).
     "before a scaled state": (
         torch.float16,
         "fp32",
@@ -246,9 +248,9 @@ SET_ASIDE_FAULTS = {
         (_upload.Uploader, "write_many"),
         1,
         [],
-        8,
-        (2, "master_param"),
-        "uploading the 1 states from state 'master_param' of parameter 2",
+        6,
+        (2, "exp_avg"),
+        "uploading the 3 states from state 'exp_avg' of parameter 2",
     ),
 }
 
@@ -301,6 +303,83 @@ def test_a_fault_near_states_set_aside_says_which_were_written(
                 assert torch.equal(scales[i][name], old_scales[i][name]), (i, name)
     with export_placement("cpu"):
         target.load_state_dict(checkpoint)
+    assert_view_equal(optimizer_view(reference), optimizer_view(target))
+
+
+@pytest.mark.parametrize("moments", [torch.float16, torch.uint8])
+def test_small_scaled_states_share_a_temporary_no_larger_than_the_largest_alone(
+    monkeypatch: pytest.MonkeyPatch, moments: torch.dtype
+) -> None:
+    # Every state fits a quarter of a slot: the FP16/FP8 moments (35, 13, 2 and 24 elements) go
+    # into pieces of shared FP32 temporaries, each no more allocator blocks than the largest
+    # moment's own copy (one 512-byte block: two 256-byte pieces).
+    source = build(moments, "fp32", seed=1)
+    with export_placement("cpu"):
+        checkpoint = source.state_dict()
+    target = build(moments, "fp32", seed=2)
+    handed: list[torch.Tensor] = []
+    real = StandInFusedAdam.set_scaled_state
+
+    def recording(self: Any, param: Any, name: str, value: Any) -> Any:
+        handed.append(value)
+        return real(self, param, name, value)
+
+    monkeypatch.setattr(StandInFusedAdam, "set_scaled_state", recording)
+    with export_placement("cpu"):
+        target.load_state_dict(checkpoint)
+    monkeypatch.undo()
+    storages: dict[int, list[torch.Tensor]] = {}
+    for value in handed:
+        storages.setdefault(value.untyped_storage().data_ptr(), []).append(value)
+    assert len(handed) == 8 and max(len(v) for v in storages.values()) == 2, storages
+    for pieces in storages.values():
+        assert pieces[0].untyped_storage().nbytes() <= 512
+        base = pieces[0].untyped_storage().data_ptr()
+        assert all(v.is_contiguous() and (v.data_ptr() - base) % 256 == 0 for v in pieces)
+    assert_view_equal(
+        optimizer_view(te_loaded(moments, "fp32", checkpoint)), optimizer_view(target)
+    )
+
+
+@pytest.mark.parametrize("rollback", [False, True])
+def test_a_failure_in_tes_scaling_of_states_set_aside_names_them(
+    monkeypatch: pytest.MonkeyPatch, rollback: bool
+) -> None:
+    # FP16 moments and FP32 masters in 64-byte chunks: parameter 2's three states are set aside
+    # (jobs 6-8). Its master is copied and its first moment scaled; TE's scaling of the second
+    # fails.
+    monkeypatch.setattr(_ring, "CHUNK_BYTES", 64)
+    source = build(torch.float16, "fp32", seed=1)
+    with export_placement("cpu"):
+        checkpoint = source.state_dict()
+    target = build(torch.float16, "fp32", seed=2)
+    before = optimizer_view(target)
+    real = StandInFusedAdam.set_scaled_state
+    exc = KeyboardInterrupt() if rollback else RuntimeError("injected")
+
+    def fails(self: Any, param: Any, name: str, value: Any) -> Any:
+        if param.numel() == 2 and name == "exp_avg_sq":
+            raise exc
+        return real(self, param, name, value)
+
+    monkeypatch.setattr(StandInFusedAdam, "set_scaled_state", fails)
+    expected = KeyboardInterrupt if rollback else te_load.PartialLoadError
+    with pytest.raises(expected) as caught, export_placement("cpu", rollback=rollback):
+        target.load_state_dict(checkpoint)
+    monkeypatch.undo()
+    assert _ring.in_use() == 0
+    if rollback:
+        assert_view_equal(before, optimizer_view(target))
+    else:
+        error = caught.value
+        assert isinstance(error, te_load.PartialLoadError)
+        assert (error.written, error.index, error.name) == (6, 2, "exp_avg")
+        assert "uploading the 3 states from state 'exp_avg' of parameter 2 on failed" in str(
+            error
+        )
+    with export_placement("cpu"):
+        target.load_state_dict(checkpoint)
+    reference = te_loaded(torch.float16, "fp32", checkpoint)
     assert_view_equal(optimizer_view(reference), optimizer_view(target))
 
 

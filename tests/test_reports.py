@@ -233,8 +233,10 @@ def test_load_report_counts_what_moved(moments: torch.dtype, master: str, rollba
     assert report.device_to_host_bytes == kept
     assert report.host_bytes_written == kept
     assert report.peak_host_bytes == staging() + kept
-    # One FP32 copy of an FP16/FP8 state at a time, handed to TE's scaling.
-    assert report.gpu_bytes == 4 * largest(opt, (FP16, FP8))
+    # FP32 copies of FP16/FP8 states handed to TE's scaling: the largest one's alone, or small
+    # ones sharing a temporary that takes no more allocator blocks (512 bytes) than it.
+    most = 4 * largest(opt, (FP16, FP8))
+    assert most <= report.gpu_bytes <= -(-most // 512) * 512
     assert report.te_gpu_bytes == te_cost
 
 
@@ -290,7 +292,8 @@ def test_load_states_counts_one_state_at_a_time() -> None:
     # No bulk cast: TE's set_scaled_state of an FP32 host value allocates nothing on the
     # stand-in's device (the CPU, where the value already is).
     assert report.te_gpu_bytes == 0
-    assert report.gpu_bytes == 4 * largest(opt, (FP16,))
+    most = 4 * largest(opt, (FP16,))  # alone, or in a shared temporary of no more blocks
+    assert most <= report.gpu_bytes <= -(-most // 512) * 512
 
 
 def test_load_state_alone_reports_nothing_and_counts_inside_an_operation() -> None:
