@@ -374,9 +374,7 @@ def test_a_failure_in_tes_scaling_of_states_set_aside_names_them(
         error = caught.value
         assert isinstance(error, te_load.PartialLoadError)
         assert (error.written, error.index, error.name) == (6, 2, "exp_avg")
-        assert "uploading the 3 states from state 'exp_avg' of parameter 2 on failed" in str(
-            error
-        )
+        assert "uploading the 3 states from state 'exp_avg' of parameter 2 on failed" in str(error)
     with export_placement("cpu"):
         target.load_state_dict(checkpoint)
     reference = te_loaded(torch.float16, "fp32", checkpoint)
