@@ -25,10 +25,12 @@ above the start, ``peak_extra_host_bytes`` the peak RSS growth (sampled every mi
 ``seconds`` the wall time; ``n_elements`` the local optimizer elements (each rank's own numbers are
 in ``per_rank``). Saves run with the CUDA allocator's history recorded (what was live at the GPU
 peak), loads without it (``allocator_history``), since its stack capture at every allocation slows
-whichever path allocates more. Rank 0 writes ``--out``: the records, every check, the machine and
-the versions, rewritten after every case (``"complete": true`` once the run has ended). The exit
-status is 1 if any check failed. ``tests/test_gpu_megatron.py`` runs it on 1 and 2 GPUs;
-``tests/support/megatron_cpu_run.py`` runs it on the CPU.
+whichever path allocates more. Each checkpoint is loaded ``--load-repeats`` times (3), the modes
+taking turns; ``megatron_load_median`` records their median seconds. Rank 0 writes ``--out``:
+the records, every check, the machine and the versions, rewritten after every case
+(``"complete": true`` once the run has ended). The exit status is 1 if any check failed.
+``tests/test_gpu_megatron.py`` runs it on 1 and 2 GPUs; ``tests/support/megatron_cpu_run.py``
+runs it on the CPU.
 
 Usage (repository root, megatron-core 0.19.2 and TE importable):
     python -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/megatron_ckpt.py \
@@ -608,11 +610,12 @@ def allocator_history(enabled: bool = True) -> Iterator[dict[str, Any]]:
 
 
 class Run:
-    def __init__(self, size_name: str, root: Path) -> None:
+    def __init__(self, size_name: str, root: Path, load_repeats: int = 3) -> None:
         import torch.distributed as dist
 
         self.size = SIZES[size_name]
         self.root = root
+        self.load_repeats = load_repeats
         self.world = dist.get_world_size()
         self.rank = dist.get_rank()
         self.records: list[dict[str, Any]] = []
@@ -792,35 +795,67 @@ class Run:
         size = self.size
         after: dict[str, dict[str, torch.Tensor]] = {}
         trained: dict[str, dict[str, torch.Tensor]] = {}
-        for mode, ckpt in dirs.items():
-            model, gpt, optimizer = build(size, case, seed=2)
-            if mode == "placement_cpu":
-                place_optimizer(optimizer)
-            before = _allocated()
-            phases: dict[str, float] = {}
-            results[f"load_{mode}"] = self.measure(
-                "megatron_load",
-                case,
-                mode,
-                n,
-                lambda ckpt=ckpt, gpt=gpt, optimizer=optimizer, phases=phases: load(
-                    gpt, optimizer, case, ckpt, phases
-                ),
-                history=False,
-                phases=phases,  # this rank's, filled by the load
-            )
-            grown = _allocated() - before
-            after[mode] = snapshot(gpt, optimizer)
-            if mode == "placement_cpu":
-                self._check_load_memory(case, results, optimizer, grown)
-                with export_placement("cpu"):  # a step under the policy is TE's own
-                    train(model, optimizer, size, size.resume_steps, seed=3)
-            else:
-                train(model, optimizer, size, size.resume_steps, seed=3)
-            trained[mode] = snapshot(gpt, optimizer)
-            del model, gpt, optimizer
-            _free()
+        # The modes take turns, a fresh model and optimizer each time: a load of a test-size
+        # model takes tenths of a second, about what it varies by from one load to the next.
+        for repeat in range(self.load_repeats):
+            last = repeat == self.load_repeats - 1
+            for mode, ckpt in dirs.items():
+                model, gpt, optimizer = build(size, case, seed=2)
+                if mode == "placement_cpu":
+                    place_optimizer(optimizer)
+                before = _allocated()
+                phases: dict[str, float] = {}
+                results[f"load_{mode}"] = self.measure(
+                    "megatron_load",
+                    case,
+                    mode,
+                    n,
+                    lambda ckpt=ckpt, gpt=gpt, optimizer=optimizer, phases=phases: load(
+                        gpt, optimizer, case, ckpt, phases
+                    ),
+                    history=False,
+                    phases=phases,  # this rank's, filled by the load
+                    repeat=repeat,
+                )
+                grown = _allocated() - before
+                if last:
+                    after[mode] = snapshot(gpt, optimizer)
+                    if mode == "placement_cpu":
+                        self._check_load_memory(case, results, optimizer, grown)
+                        with export_placement("cpu"):  # a step under the policy is TE's own
+                            train(model, optimizer, size, size.resume_steps, seed=3)
+                    else:
+                        train(model, optimizer, size, size.resume_steps, seed=3)
+                    trained[mode] = snapshot(gpt, optimizer)
+                del model, gpt, optimizer
+                _free()
+        self._load_medians(case)
         return after, trained
+
+    def _load_medians(self, case: Case) -> None:
+        """A ``megatron_load_median`` record per mode: the median of its loads' seconds."""
+        for mode in ("te_default", "placement_cpu"):
+            loads = [
+                r
+                for r in self.records
+                if r["op"] == "megatron_load" and r["case"] == case.name and r["mode"] == mode
+            ]
+            seconds = sorted(r["seconds"] for r in loads)
+            median = seconds[len(seconds) // 2]
+            self.records.append(
+                {
+                    "op": "megatron_load_median",
+                    "sharding_type": case.sharding_type,
+                    "case": case.name,
+                    "mode": mode,
+                    "seconds": median,
+                    "world_size": self.world,
+                    "repeats": len(seconds),
+                    "seconds_each": [r["seconds"] for r in loads],
+                }
+            )
+            if self.rank == 0:
+                print(f"megatron_load median {case.name:40s} {mode:14s} {median:6.3f} s")
 
     def _check_loads(
         self,
@@ -1014,8 +1049,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", choices=sorted(SIZES), default="test")
     parser.add_argument("--cases", default="", help="comma-separated sharding types (default all)")
     parser.add_argument("--workdir", type=Path, default=None, help="checkpoints go here")
+    parser.add_argument(
+        "--load-repeats",
+        type=int,
+        default=3,
+        help="loads of each checkpoint, the modes taking turns (median in megatron_load_median)",
+    )
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.load_repeats < 1:
+        parser.error(f"--load-repeats must be 1 or more, not {args.load_repeats}")
     global DEVICE
     DEVICE = args.device
     if DEVICE == "cuda" and not torch.cuda.is_available():
@@ -1033,7 +1076,7 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="megatron_ckpt_", dir=args.workdir))
     holder = [str(root)]
     dist.broadcast_object_list(holder, src=0)
-    run = Run(args.size, Path(holder[0]))
+    run = Run(args.size, Path(holder[0]), args.load_repeats)
     wanted = {s for s in args.cases.split(",") if s}
     machine = versions() if run.rank == 0 else {}
 

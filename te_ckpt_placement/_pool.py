@@ -16,7 +16,6 @@ Uses only APIs that torch 2.11 (the GPU machine's version) and 2.13 share.
 from __future__ import annotations
 
 import ctypes
-import functools
 import math
 import mmap
 import os
@@ -127,44 +126,6 @@ def touch_pages(t: torch.Tensor) -> None:
         t.untyped_storage(), t.storage_offset() * t.element_size(), (nbytes,)
     )  # type: ignore[call-overload]
     _workers.call(_zero_every, raw, mmap.PAGESIZE, elements=t.numel())
-
-
-def prefault_later(t: torch.Tensor) -> bool:
-    """Has every page of the contiguous host tensor ``t`` faulted in for writing, in the
-    background on the host workers' leader, its bytes left as they are
-    (``madvise(MADV_POPULATE_WRITE)``): whatever writes ``t`` meanwhile, a checkpoint read say,
-    stays correct and finds more of its pages ready. Returns False, queueing nothing, where there
-    is no team or the kernel lacks ``MADV_POPULATE_WRITE`` (Linux before 5.14): the caller then
-    faults them in itself (:func:`touch_pages`) or leaves them to the first write."""
-    nbytes = t.numel() * t.element_size()
-    if not _populate_works() or nbytes < mmap.PAGESIZE:
-        return False
-    first = t.data_ptr() & ~(mmap.PAGESIZE - 1)
-    end = t.data_ptr() + nbytes
-    # The task holds ``t``: its memory stays mapped until the call has returned.
-    return _workers.background(_populate, t, first, end - first)
-
-
-_MADV_POPULATE_WRITE = 23
-
-
-def _populate(t: torch.Tensor, start: int, nbytes: int) -> None:
-    assert _libc is not None
-    _libc.madvise(start, nbytes, _MADV_POPULATE_WRITE)  # pages for writing: failure is fine
-
-
-@functools.cache
-def _populate_works() -> bool:
-    """Whether this kernel populates pages for writing on request (Linux 5.14 and later)."""
-    if _libc is None:
-        return False
-    probe = mmap.mmap(-1, mmap.PAGESIZE)
-    byte = ctypes.c_char.from_buffer(probe)
-    try:
-        return bool(_libc.madvise(ctypes.addressof(byte), mmap.PAGESIZE, _MADV_POPULATE_WRITE) == 0)
-    finally:
-        del byte  # (a mapping with an exported buffer cannot close)
-        probe.close()
 
 
 #: Bytes written at the start of each page by :func:`touch_pages`: enough elements that torch

@@ -355,35 +355,3 @@ def test_release_buffers_frees_the_snapshot_pools_too(clean: None) -> None:
     assert _pool.held_bytes() >= 4000 and _pool.held_bytes(pinned=True) == 0
     release_buffers()
     assert stager.buffer_bytes == 0 and _pool.held_bytes() == 0
-
-
-def resident_pages(t: torch.Tensor) -> tuple[int, int]:
-    """How many of ``t``'s whole pages are mapped in now (``mincore``), and of how many."""
-    import ctypes
-    import mmap
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    page = mmap.PAGESIZE
-    first = -(-t.data_ptr() // page) * page
-    pages = (t.data_ptr() + t.numel() * t.element_size() - first) // page
-    vec = (ctypes.c_ubyte * pages)()
-    assert libc.mincore(ctypes.c_void_p(first), ctypes.c_size_t(pages * page), vec) == 0
-    return sum(b & 1 for b in vec), pages
-
-
-@pytest.mark.skipif(not _pool._populate_works(), reason="needs MADV_POPULATE_WRITE (Linux 5.14)")
-def test_prefault_later_maps_every_page_on_the_leader_and_keeps_the_bytes() -> None:
-    from te_ckpt_placement import _workers
-
-    from .support.workers import small_team
-
-    fresh = _pool.empty_host(torch.Size([4 << 20]), torch.float32)  # 16 MiB, never written
-    written = torch.arange(1 << 20, dtype=torch.float32)
-    with small_team(2, elements=100):
-        before, pages = resident_pages(fresh)
-        assert _pool.prefault_later(fresh) and _pool.prefault_later(written)
-        _workers.call(lambda: None, elements=100)  # after them on the leader: they have ended
-    assert before < pages // 2 and resident_pages(fresh) == (pages, pages)
-    assert torch.equal(written, torch.arange(1 << 20, dtype=torch.float32))
-    with small_team(0):
-        assert not _pool.prefault_later(torch.empty(1 << 20))  # no team: the caller's to do

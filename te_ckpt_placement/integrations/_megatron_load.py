@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .. import _pool, _tensors, _workers
+from .. import _pool, _tensors
 from .. import _te_contract as te_contract
 from .. import _te_load as te_load
 from .._policy import Placement
@@ -54,12 +54,10 @@ def template_state(
     ``get_unscaled_state`` returns (L327-356), as Megatron's own ``fully_reshardable`` template is
     empty (``empty_data``, L1737). Each owns exactly its bytes: views of one buffer would each
     pickle the whole buffer, as Megatron's ``gather_object`` exchange of loaded tensors does.
-    Its pages are faulted in on the host workers' leader in the background
-    (``_pool.prefault_later``), while Megatron goes on building the template and starts its
-    read, which may already write into it. Without a team (or on a kernel before Linux 5.14)
-    one large enough for a team is faulted in now and a smaller one is left to the read: faulting
-    in a model's many small states one by one on the calling thread made a test-size template
-    several times slower than Megatron's (docs/performance-log.md section 15).
+    Its pages are left to the read that fills it, as those of the tensors Megatron's own read
+    makes (``torch.load``) are: faulting them in first, on the calling thread, on the host
+    workers' team or in the background, made test-size loads slower, not faster
+    (docs/performance-log.md section 15).
     """
     facts = te_contract.state_facts(inner, param, name)
     if facts is None:  # raises the export's error for a state TE does not keep
@@ -68,10 +66,7 @@ def template_state(
     if facts.te_dtype == torch.float32 and not placement.rollback:
         return inner.get_unscaled_state(param, name)  # the live tensor (L341-347)
     shape = torch.Size(facts.local_shape)
-    out = _pool.empty_host(shape, host_dtype(facts))
-    if not _pool.prefault_later(out) and shape.numel() >= _workers.MIN_ELEMENTS:
-        _pool.touch_pages(out)
-    return out
+    return _pool.empty_host(shape, host_dtype(facts))
 
 
 def host_dtype(facts: te_contract.StateFacts) -> torch.dtype:

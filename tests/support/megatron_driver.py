@@ -96,6 +96,19 @@ def assert_cases_ran(result: dict[str, Any], world: int, *, fp8: bool = True) ->
         for op in ("megatron_save", "megatron_load"):
             for mode in ("te_default", "placement_cpu"):
                 assert (case.name, op, mode) in ops, (case.name, op, mode)
+        for mode in ("te_default", "placement_cpu"):  # each load repeated, and the median
+            loads = [
+                r["seconds"]
+                for r in result["records"]
+                if (r["case"], r["op"], r["mode"]) == (case.name, "megatron_load", mode)
+            ]
+            (median,) = [
+                r
+                for r in result["records"]
+                if (r["case"], r["op"], r["mode"]) == (case.name, "megatron_load_median", mode)
+            ]
+            assert len(loads) == median["repeats"] == 3 and median["seconds_each"] == loads
+            assert median["seconds"] == sorted(loads)[1]
     # The dp_reshardable size probe: two widths, their placed saves measured and compared.
     probe = Case("dp_reshardable", buckets=False).name
     assert (probe, "save: placed dp_reshardable peak independent of N") in checks
