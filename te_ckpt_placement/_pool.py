@@ -16,7 +16,6 @@ Uses only APIs that torch 2.11 (the GPU machine's version) and 2.13 share.
 from __future__ import annotations
 
 import ctypes
-import functools
 import math
 import mmap
 import os
@@ -24,7 +23,6 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Iterable
 from typing import Any, Protocol
 
 import torch
@@ -114,45 +112,6 @@ def empty_host(shape: torch.Size, dtype: torch.dtype, *, touch: bool = False) ->
     return out
 
 
-class HostArena:
-    """Host tensors carved from one anonymous map sized up front, for many tensors that are
-    made together and written soon after, such as a load's template.
-
-    Each tensor owns exactly its bytes (``torch.frombuffer``: pickled, it carries those bytes
-    alone, not the map's), and the map is unmapped once none of its tensors is alive. The map
-    is advised to use huge pages, and :meth:`prefault_later` has its pages faulted in, in the
-    background, while its tensors are handed out and written: fresh tensors of their own would
-    each fault their 4 KiB pages one by one on the thread that first writes them.
-    """
-
-    #: Each tensor starts at a multiple of this many bytes (a cache line).
-    ALIGN = 64
-
-    def __init__(self, sizes: Iterable[int]) -> None:
-        """An arena for tensors of ``sizes`` bytes (the most it hands out)."""
-        self.nbytes = sum(-(-int(n) // self.ALIGN) * self.ALIGN for n in sizes)
-        self._map = mmap.mmap(-1, max(self.nbytes, 1))
-        self._used = 0
-        self._all = torch.frombuffer(self._map, dtype=torch.uint8)
-        _advise_huge_pages(self._all.data_ptr(), self.nbytes)
-
-    def empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor | None:
-        """An uninitialized contiguous tensor of ``shape`` and ``dtype`` from the map; None when
-        the map has no room left for it."""
-        numel = math.prod(shape)
-        nbytes = numel * dtype.itemsize
-        if nbytes == 0 or self._used + nbytes > self.nbytes:
-            return None
-        out = torch.frombuffer(self._map, dtype=dtype, count=numel, offset=self._used)
-        self._used += -(-nbytes // self.ALIGN) * self.ALIGN
-        return out.view(shape)
-
-    def prefault_later(self) -> bool:
-        """:func:`prefault_later` for the whole map."""
-        whole, self._all = self._all, torch.empty(0, dtype=torch.uint8)  # held by the task alone
-        return prefault_later(whole) if self.nbytes else False
-
-
 def touch_pages(t: torch.Tensor) -> None:
     """Faults in every page of the contiguous host tensor ``t`` (its values are left undefined).
 
@@ -167,50 +126,6 @@ def touch_pages(t: torch.Tensor) -> None:
         t.untyped_storage(), t.storage_offset() * t.element_size(), (nbytes,)
     )  # type: ignore[call-overload]
     _workers.call(_zero_every, raw, mmap.PAGESIZE, elements=t.numel())
-
-
-def prefault_later(t: torch.Tensor) -> bool:
-    """Has every page of the contiguous host tensor ``t`` faulted in for writing, in the
-    background on the host workers' leader, its bytes left as they are
-    (``madvise(MADV_POPULATE_WRITE)``): whatever writes ``t`` meanwhile, a checkpoint read say,
-    stays correct and finds more of its pages ready. Returns False, queueing nothing, where there
-    is no team or the kernel lacks ``MADV_POPULATE_WRITE`` (Linux before 5.14): the caller then
-    faults them in itself (:func:`touch_pages`) or leaves them to the first write."""
-    nbytes = t.numel() * t.element_size()
-    if not _populate_works() or nbytes < mmap.PAGESIZE:
-        return False
-    first = t.data_ptr() & ~(mmap.PAGESIZE - 1)
-    end = t.data_ptr() + nbytes
-    # The task holds ``t``: its memory stays mapped until the call has returned.
-    return _workers.background(_populate, t, first, end - first)
-
-
-_MADV_POPULATE_WRITE = 23
-#: Bytes per ``madvise`` call of :func:`prefault_later`: the kernel holds the process's memory
-#: map lock through one call, which other threads' ``mmap`` and ``munmap`` (large allocations)
-#: wait for.
-POPULATE_BYTES = 64 << 20
-
-
-def _populate(t: torch.Tensor, start: int, nbytes: int) -> None:
-    assert _libc is not None
-    for offset in range(0, nbytes, POPULATE_BYTES):
-        size = min(POPULATE_BYTES, nbytes - offset)
-        _libc.madvise(start + offset, size, _MADV_POPULATE_WRITE)  # failure is fine: a hint
-
-
-@functools.cache
-def _populate_works() -> bool:
-    """Whether this kernel populates pages for writing on request (Linux 5.14 and later)."""
-    if _libc is None:
-        return False
-    probe = mmap.mmap(-1, mmap.PAGESIZE)
-    byte = ctypes.c_char.from_buffer(probe)
-    try:
-        return bool(_libc.madvise(ctypes.addressof(byte), mmap.PAGESIZE, _MADV_POPULATE_WRITE) == 0)
-    finally:
-        del byte  # (a mapping with an exported buffer cannot close)
-        probe.close()
 
 
 #: Bytes written at the start of each page by :func:`touch_pages`: enough elements that torch

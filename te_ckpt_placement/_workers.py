@@ -415,17 +415,6 @@ def call(fn: Callable[..., _T], *args: Any, elements: int) -> _T:
         return tasks.submit(fn, *args, elements=elements)()
 
 
-def background(fn: Callable[..., Any], *args: Any) -> bool:
-    """Queues ``fn(*args)`` on the leader, on one thread, and returns without waiting: for work
-    whose result nobody needs and that changes nothing another thread could see (faulting in
-    pages, :func:`._pool.prefault_later`). Tasks handed over after it run after it. Returns
-    False, running nothing, where there is no team (:func:`count` is 1)."""
-    if count() < 2:
-        return False
-    _hand_over(Future(), fn, args, 1)
-    return True
-
-
 def _run(fn: Callable[..., Any], args: tuple[Any, ...], size: int) -> Any:
     """``fn(*args)`` on a team of ``size``, whatever the settings, waited for here."""
     with Tasks() as tasks:

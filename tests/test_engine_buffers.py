@@ -3,7 +3,6 @@ against an asynchronous KeyboardInterrupt at any point of an export."""
 
 from __future__ import annotations
 
-import itertools
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -356,66 +355,3 @@ def test_release_buffers_frees_the_snapshot_pools_too(clean: None) -> None:
     assert _pool.held_bytes() >= 4000 and _pool.held_bytes(pinned=True) == 0
     release_buffers()
     assert stager.buffer_bytes == 0 and _pool.held_bytes() == 0
-
-
-def resident_pages(t: torch.Tensor) -> tuple[int, int]:
-    """How many of ``t``'s whole pages are mapped in now (``mincore``), and of how many."""
-    import ctypes
-    import mmap
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    page = mmap.PAGESIZE
-    first = -(-t.data_ptr() // page) * page
-    pages = (t.data_ptr() + t.numel() * t.element_size() - first) // page
-    vec = (ctypes.c_ubyte * pages)()
-    assert libc.mincore(ctypes.c_void_p(first), ctypes.c_size_t(pages * page), vec) == 0
-    return sum(b & 1 for b in vec), pages
-
-
-@pytest.mark.skipif(not _pool._populate_works(), reason="needs MADV_POPULATE_WRITE (Linux 5.14)")
-def test_prefault_later_maps_every_page_on_the_leader_and_keeps_the_bytes() -> None:
-    from te_ckpt_placement import _workers
-
-    from .support.workers import small_team
-
-    fresh = _pool.empty_host(torch.Size([4 << 20]), torch.float32)  # 16 MiB, never written
-    written = torch.arange(1 << 20, dtype=torch.float32)
-    with small_team(2, elements=100):
-        before, pages = resident_pages(fresh)
-        assert _pool.prefault_later(fresh) and _pool.prefault_later(written)
-        _workers.call(lambda: None, elements=100)  # after them on the leader: they have ended
-    assert before < pages // 2 and resident_pages(fresh) == (pages, pages)
-    assert torch.equal(written, torch.arange(1 << 20, dtype=torch.float32))
-    with small_team(0):
-        assert not _pool.prefault_later(torch.empty(1 << 20))  # no team: the caller's to do
-
-
-def test_a_host_arena_hands_out_tensors_that_each_own_their_bytes() -> None:
-    import io
-    import pickle
-
-    from te_ckpt_placement import _workers
-
-    from .support.workers import small_team
-
-    arena = _pool.HostArena([4000 * 4, 3 * 2, 1 << 20])
-    a = arena.empty(torch.Size([40, 100]), torch.float32)
-    b = arena.empty(torch.Size([3]), torch.int16)
-    c = arena.empty(torch.Size([1 << 18]), torch.float32)
-    assert a is not None and b is not None and c is not None
-    assert arena.empty(torch.Size([1]), torch.float32) is None  # full: the caller makes its own
-    assert a.is_contiguous() and a.shape == (40, 100) and b.dtype == torch.int16
-    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in (a, b, c))
-    assert all(end <= start for (_, end), (start, _) in itertools.pairwise(spans))
-    assert all(t.data_ptr() % _pool.HostArena.ALIGN == 0 for t in (a, b, c))
-    a.fill_(1.5)
-    b.fill_(-7)
-    buf = io.BytesIO()
-    pickle.dump(b, buf)  # its own 6 bytes, not the arena's megabyte
-    assert len(buf.getvalue()) < 2000 and torch.equal(pickle.loads(buf.getvalue()), b)
-    if _pool._populate_works():
-        with small_team(2, elements=100):
-            assert arena.prefault_later()
-            _workers.call(lambda: None, elements=100)  # after it on the leader: it has ended
-        assert resident_pages(c) == (resident_pages(c)[1],) * 2
-    assert bool((a == 1.5).all()) and bool((b == -7).all())  # the bytes stay as written

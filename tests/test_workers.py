@@ -594,24 +594,3 @@ def test_a_load_hands_its_blocks_to_the_smaller_team(
     _ring.stream_into(half, out, _convert.convert_fn(StateSource(kind="upcast", data=half))[1])
     assert sizes and set(sizes) == {3}
     assert_bit_equal(out, half.float())
-
-
-def test_background_work_runs_on_the_leader_in_order_and_is_not_waited_for() -> None:
-    started, release = threading.Event(), threading.Event()
-    ran: list[tuple[str, int]] = []
-
-    def slow() -> None:
-        started.set()
-        release.wait(10)
-        ran.append(("background", threading.get_ident()))
-
-    with small_team(2, elements=100):
-        assert _workers.background(slow)  # returns while it runs
-        assert started.wait(10) and not ran
-        release.set()
-        # A task handed over after it runs after it, on the same thread.
-        leader = _workers.call(threading.get_ident, elements=100)
-        assert ran == [("background", leader)] and leader != threading.get_ident()
-    with small_team(0):
-        assert not _workers.background(ran.append, ("never", 0))
-    assert len(ran) == 1

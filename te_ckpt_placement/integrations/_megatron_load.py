@@ -7,7 +7,6 @@ References are megatron-core 0.19.2 ``megatron/core/optimizer/distrib_optimizer.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,30 +39,8 @@ class Deferred:
         te_load.round_trip(self.inner, now)
 
 
-def template_arena(inner: Any, placement: Placement | None) -> _pool.HostArena:
-    """The host arena of a load's template: room for every state :func:`template_state` gives
-    a host tensor."""
-    sizes = []
-    for group in inner.param_groups:
-        for param in group["params"]:
-            for name, value in inner.state.get(param, {}).items():
-                facts = te_contract.state_facts(inner, param, name)
-                if facts is None or not isinstance(value, torch.Tensor):
-                    continue
-                if facts.te_dtype == torch.float32 and not (placement and placement.rollback):
-                    continue  # read into the live tensor
-                sizes.append(math.prod(facts.local_shape) * host_dtype(facts).itemsize)
-    return _pool.HostArena(sizes)
-
-
 def template_state(
-    inner: Any,
-    param: Any,
-    name: str,
-    value: Any,
-    placement: Placement,
-    where: object,
-    arena: _pool.HostArena,
+    inner: Any, param: Any, name: str, value: Any, placement: Placement, where: object
 ) -> torch.Tensor:
     """What a load's template holds for one state, the tensor the checkpoint is read into
     (L1090-1117).
@@ -75,13 +52,12 @@ def template_state(
     that fails part-way, in the read or after it, leaves every live state as the read found it.
     Every other state (BF16, FP16, FP8) is an empty host tensor of the FP32 dtype
     ``get_unscaled_state`` returns (L327-356), as Megatron's own ``fully_reshardable`` template is
-    empty (``empty_data``, L1737), from ``arena`` (:func:`template_arena`, whose pages are
-    faulted in in the background while the read may already write them), else (a state it has
-    no room for) of its own. Each owns exactly its bytes: views of one buffer would each pickle
-    the whole buffer, as Megatron's ``gather_object`` exchange of loaded tensors does. Fresh
-    tensors of their own, faulted in by the read that fills them, made test-size loads slower;
-    so did faulting them in first, on the calling thread or on the host workers' team
-    (docs/performance-log.md sections 15 and 16).
+    empty (``empty_data``, L1737). Each owns exactly its bytes: views of one buffer would each
+    pickle the whole buffer, as Megatron's ``gather_object`` exchange of loaded tensors does.
+    Its pages are left to the read that fills it, as those of the tensors Megatron's own read
+    makes (``torch.load``) are: faulting them in first, on the calling thread, on the host
+    workers' team or in the background, made test-size loads slower, not faster
+    (docs/performance-log.md section 15).
     """
     facts = te_contract.state_facts(inner, param, name)
     if facts is None:  # raises the export's error for a state TE does not keep
@@ -89,9 +65,8 @@ def template_state(
     assert facts is not None
     if facts.te_dtype == torch.float32 and not placement.rollback:
         return inner.get_unscaled_state(param, name)  # the live tensor (L341-347)
-    shape, dtype = torch.Size(facts.local_shape), host_dtype(facts)
-    out = arena.empty(shape, dtype)
-    return _pool.empty_host(shape, dtype) if out is None else out
+    shape = torch.Size(facts.local_shape)
+    return _pool.empty_host(shape, host_dtype(facts))
 
 
 def host_dtype(facts: te_contract.StateFacts) -> torch.dtype:

@@ -66,13 +66,12 @@ from typing import Any
 import torch
 
 from .. import _export as engine
-from .. import _pool, _wrap
 from .. import _reports as reports
 from .. import _te_contract as te_contract
 from .. import _te_load as te_load
+from .. import _wrap
 from .._policy import Placement, as_placement, current_placement
 from .._versions import installed
-from . import _megatron_load
 from ._megatron_load import Deferred, live_states_of, read_in_place, te_class, template_state
 from ._methods import PlacementLike, place_methods, unplace_methods
 
@@ -176,10 +175,10 @@ _DEFERRED: contextvars.ContextVar[dict[int, Deferred] | None] = contextvars.Cont
 )
 
 
-# Placed DistributedOptimizers (by id) building a load's template, with the host arena its
-# tensors come from: set only while a placed sharded_state_dict(is_loading=True) runs.
-_TEMPLATE: contextvars.ContextVar[dict[int, _pool.HostArena] | None] = contextvars.ContextVar(
-    "te_ckpt_placement_megatron_template", default=None
+# Placed DistributedOptimizers (by id) building a load's template: set only while a placed
+# sharded_state_dict(is_loading=True) runs.
+_TEMPLATE: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
+    "te_ckpt_placement_megatron_template", default=frozenset()
 )
 
 
@@ -366,16 +365,9 @@ def _sharded_state_dict(optimizer: Any, original: Callable[..., Any], *args: Any
     if not is_loading:
         with reports.operation("export", path="megatron"):
             return original(*args, **kw)
-    # A load's template (L1090-1117): see template_state. Its host arena's pages are faulted in
-    # in the background from now on, while Megatron builds the template and starts its read.
-    arena = _megatron_load.template_arena(optimizer.optimizer, current_placement())
-    arena.prefault_later()
-    token = _TEMPLATE.set({**(_TEMPLATE.get() or {}), id(optimizer): arena})
-    try:
-        with reports.operation("load", path="megatron"):
-            return original(*args, **kw)
-    finally:
-        _TEMPLATE.reset(token)
+    # A load's template (L1090-1117): see template_state.
+    with _including(_TEMPLATE, optimizer), reports.operation("load", path="megatron"):
+        return original(*args, **kw)
 
 
 def _precision_aware(optimizer: Any) -> bool:
@@ -395,10 +387,9 @@ def _get_main_param_and_optimizer_states(
     param = inner.param_groups[group_index]["params"][group_order]
     stored = inner.state[param]
     where = (group_index, group_order)
-    arena = (_TEMPLATE.get() or {}).get(id(optimizer))
-    if arena is not None:
+    if id(optimizer) in _TEMPLATE.get():
         tensors = {
-            name: template_state(inner, param, name, value, placement, where, arena)
+            name: template_state(inner, param, name, value, placement, where)
             for name, value in stored.items()
             if isinstance(value, torch.Tensor)
         }
