@@ -232,7 +232,9 @@ def test_an_interrupt_cancels_a_task_that_has_not_started(
 
     def occupy() -> None:  # another caller's task, running while ours waits in the queue
         busy.set()
-        release.wait(5)
+        # Until the interrupt has come (5 s was once too short: ours then ran after this ended,
+        # in a run that took 7 s longer than usual, before the interrupt could cancel it).
+        release.wait(120)
 
     other = threading.Thread(target=lambda: _workers._run(occupy, (), 2))
     other.start()
