@@ -340,7 +340,10 @@ def _upload_together(optimizer: Any, batch: _Batch, uploader: Any, undo: _Rollba
     their pieces of one device FP32 temporary, each written as :func:`_write_value` writes it."""
     up = uploader(batch.device)
     scaled = [a for a in batch.asides if a.dst is None]
-    nbytes = sum(a.temporary for a in scaled)
+    # The pieces start aligned; the last one ends the temporary (one piece alone: its own copy).
+    nbytes = sum(a.temporary for a in scaled[:-1]) + (
+        4 * scaled[-1].job.local.numel() if scaled else 0
+    )
     unscaled = torch.empty(nbytes // 4, device=batch.device) if scaled else None
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
     pieces: list[torch.Tensor] = []
