@@ -92,8 +92,9 @@ class TransferReport:
             counted: torch's temporaries inside the host conversions (bounded by one conversion
             block: NaN masks, the FP64 products of tiny scales), Python objects, the caller's
             checkpoint, and what the allocator or the kernel adds (page rounding, huge pages).
-        gpu_bytes: The most device memory the operation allocated at once (one state at a
-            time): the FP32 copy of each FP16/FP8 state a load hands to TE's scaling, or that
+        gpu_bytes: The most device memory the operation allocated at once: the FP32 copy of
+            an FP16/FP8 state a load hands to TE's scaling (small states' copies share one
+            temporary, no larger than the largest state's copy), or that
             ``conversion="device"`` makes for an export (4 B per element); a strided state's
             contiguous device copy; a device-resident checkpoint value widened to FP32 before
             rounding. 0 for exports with host conversion and for BF16/FP32/int16 loads from host

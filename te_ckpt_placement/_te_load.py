@@ -13,8 +13,9 @@ place where its storage fits (``_te_load_write._reusable``): BF16, FP32 and int1
 tensors through the pinned pipeline of :class:`te_ckpt_placement._upload.Uploader` (host
 conversion of chunk k+1 overlapped with the copy of chunk k, many small states per chunk, no GPU
 memory), FP16 and FP8 states through TE's own
-``set_scaled_state`` on one FP32 device copy of the state, and device-resident checkpoints on the
-device, one state at a time. The result is TE's load bit for bit. It reads TE's private
+``set_scaled_state`` on an FP32 device copy of the state (small ones pieces of one shared copy no
+larger than the largest state's), and device-resident checkpoints on the device, one state at a
+time. The result is TE's load bit for bit. It reads TE's private
 ``_scales`` (L214, L452) and calls ``_initialize_state`` (L397-455) where TE's load would create a
 state, and uses the storage rule of :mod:`te_ckpt_placement._te_contract`, whose facts about each
 state (:class:`~te_ckpt_placement._te_contract.Contract`) are computed once per load.

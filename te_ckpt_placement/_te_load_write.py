@@ -10,6 +10,7 @@ private ``_scales`` (L214, L452). A failure part-way restores the previous state
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any, NamedTuple
@@ -249,10 +250,17 @@ def _write_one(
     host = _plain(value) and value.device.type == "cpu"
     if host and job.facts.scaled and _unscaled_is_dense(value, device):
         numel = value.numel()
-        if uploader(device).takes(numel, 4):
-            piece = _aligned(4 * numel)
-            room(device, 4 * numel, piece)
-            return Aside(job, device, None, 4 * numel, piece, fresh)
+        live = optimizer.state[param].get(job.name)
+        # A state TE must make first is written on its own: FP8's is quantized from FP32 zeros
+        # (TE's _initialize_state, L397-455), a second FP32 copy next to the shared one.
+        ready = (
+            live is not None
+            and not fresh
+            and _reusable(optimizer, job.facts, param, live) is not None
+        )
+        if ready and uploader(device).takes(numel, 4):
+            room(device, 4 * numel, 4 * numel)
+            return Aside(job, device, None, 4 * numel, _aligned(4 * numel), fresh)
     size = 2 if remainder or kind == torch.bfloat16 else 4
     aside = (
         host
@@ -305,9 +313,6 @@ def _unscaled_is_dense(value: torch.Tensor, device: torch.device) -> bool:
     return bool(torch.empty_strided(value.shape, strides, device="meta").is_contiguous())
 
 
-#: torch's CUDA caching allocator hands out whole blocks of this many bytes.
-_ALLOCATOR_BLOCK = 512
-
 #: Each FP16/FP8 state's piece of a shared FP32 temporary starts this aligned (cudaMalloc's
 #: alignment): TE's kernels may load it in vectors, as they load a temporary of its own.
 _PIECE_ALIGN = 256
@@ -317,27 +322,23 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // _PIECE_ALIGN) * _PIECE_ALIGN
 
 
-def _in_blocks(nbytes: int) -> int:
-    """``nbytes`` rounded up to whole allocator blocks: what a device tensor of them holds."""
-    return -(-nbytes // _ALLOCATOR_BLOCK) * _ALLOCATOR_BLOCK
+def _largest_temporary(jobs: list[Job]) -> dict[torch.device, int]:
+    """By device, the bytes of the largest FP32 copy that writing one of ``jobs`` there on its
+    own would hold (TE scales a host FP16 or FP8 value from one)."""
+    largest: dict[torch.device, int] = {}
+    for j in jobs:
+        if j.facts.scaled and _plain(j.local) and j.local.device.type == "cpu":
+            device = _tensors.local(j.param).device
+            largest[device] = max(largest.get(device, 0), 4 * j.local.numel())
+    return largest
 
 
-def _largest_temporary(jobs: list[Job]) -> int:
-    """The device bytes, in allocator blocks, of the largest FP32 copy that writing one of
-    ``jobs`` on its own would hold (TE scales a host FP16 or FP8 value from one)."""
-    return max(
-        (
-            _in_blocks(4 * j.local.numel())
-            for j in jobs
-            if j.facts.scaled and _plain(j.local) and j.local.device.type == "cpu"
-        ),
-        default=0,
-    )
-
-
-def _upload_together(optimizer: Any, batch: _Batch, uploader: Any, undo: _Rollback | None) -> None:
+def _upload_together(
+    optimizer: Any, batch: _Batch, uploader: Any, undo: _Rollback | None, scaling: list[Job]
+) -> None:
     """Uploads the states set aside together, then has TE scale the FP16 and FP8 ones from
-    their pieces of one device FP32 temporary, each written as :func:`_write_value` writes it."""
+    their pieces of one device FP32 temporary, each written as :func:`_write_value` writes it
+    (``scaling`` gets the job of each as its turn comes)."""
     up = uploader(batch.device)
     scaled = [a for a in batch.asides if a.dst is None]
     # The pieces start aligned; the last one ends the temporary (one piece alone: its own copy).
@@ -345,32 +346,28 @@ def _upload_together(optimizer: Any, batch: _Batch, uploader: Any, undo: _Rollba
         4 * scaled[-1].job.local.numel() if scaled else 0
     )
     unscaled = torch.empty(nbytes // 4, device=batch.device) if scaled else None
-    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-    pieces: list[torch.Tensor] = []
+    starts = list(itertools.accumulate((a.temporary // 4 for a in scaled), initial=0))
+    pieces = [
+        unscaled[start : start + a.job.local.numel()].view(a.job.local.shape)
+        for a, start in zip(scaled, starts, strict=False)
+        if unscaled is not None
+    ]
+    values = iter(pieces)
+    pairs = [(a.dst if a.dst is not None else next(values), a.job.local) for a in batch.asides]
     try:
-        offset = 0
-        for a in batch.asides:
-            value = a.job.local
-            if a.dst is None:
-                assert unscaled is not None
-                piece = unscaled[offset : offset + value.numel()].view(value.shape)
-                offset += a.temporary // 4
-                pieces.append(piece)
-                pairs.append((piece, value))
-            else:
-                pairs.append((a.dst, value))
         if scaled:
             reports.device_temporary(nbytes)
         up.write_many(pairs)
         if scaled:
             up.fence()  # the copies have landed before TE scales from them
-            for a, piece in zip(scaled, pieces, strict=True):
+            for i, a in enumerate(scaled):
+                scaling.append(a.job)
                 _prepare(optimizer, a.job, undo, a.fresh)
-                optimizer.set_scaled_state(a.job.param, a.job.name, piece)
+                optimizer.set_scaled_state(a.job.param, a.job.name, pieces[i])
     finally:
         # Freed on the current stream after the fence, so no copy still writes it; and not kept
         # alive by the traceback of a failure.
-        del unscaled, pairs, pieces
+        del unscaled, pairs, pieces, values
 
 
 def _write_value(optimizer: Any, job: Job, live: Any, uploader: Any) -> None:
@@ -471,6 +468,7 @@ def _write_all(optimizer: Any, prepare: Callable[[], list[Job]], undo: _Rollback
     batch: _Batch | None = None
     uploading: _Batch | None = None
     aside: Aside | None = None
+    scaling: list[Job] = []  # the batch's FP16/FP8 states TE has started to scale
     try:
         jobs = prepare()
         fresh = _aliased(optimizer, jobs)
@@ -484,7 +482,8 @@ def _write_all(optimizer: Any, prepare: Callable[[], list[Job]], undo: _Rollback
                 if batch is None:
                     return
                 uploading, batch = batch, None
-                _upload_together(optimizer, uploading, uploader, undo)
+                scaling.clear()
+                _upload_together(optimizer, uploading, uploader, undo, scaling)
                 written += len(uploading.asides)
                 for _ in uploading.asides:
                     reports.state_written()
@@ -494,7 +493,7 @@ def _write_all(optimizer: Any, prepare: Callable[[], list[Job]], undo: _Rollback
                 if batch is not None and (
                     device != batch.device
                     or batch.nbytes + nbytes > uploader(batch.device).chunk_bytes
-                    or _in_blocks(batch.temporary + temporary) > temporaries
+                    or (temporary and batch.temporary + temporary > temporaries[batch.device])
                 ):
                     upload_batch()
 
@@ -516,7 +515,8 @@ def _write_all(optimizer: Any, prepare: Callable[[], list[Job]], undo: _Rollback
     except BaseException as exc:
         # The failure names the batch being uploaded, if it was one, else the state being
         # written; nothing of a batch stays referenced by the traceback (device tensors too).
-        failed = uploading.asides[0].job if uploading is not None else job
+        first = uploading.asides[0].job if uploading is not None else None
+        failed = (scaling[-1] if scaling else first) if uploading is not None else job
         pending = 0 if batch is None else len(batch.asides)
         count = 0 if uploading is None else len(uploading.asides)
         batch = uploading = aside = None
@@ -532,6 +532,13 @@ def _write_all(optimizer: Any, prepare: Callable[[], list[Job]], undo: _Rollback
             raise
         if failed is None:
             where = "preparing the first write failed"
+        elif count and scaling:
+            assert first is not None
+            where = (
+                f"uploading the {count} states from state {first.name!r} of parameter "
+                f"{first.index} on, TE's scaling of state {failed.name!r} of parameter "
+                f"{failed.index} failed (the states of that upload before it were written)"
+            )
         elif count:
             where = (
                 f"uploading the {count} states from state {failed.name!r} of parameter "

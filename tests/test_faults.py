@@ -16,6 +16,7 @@ from te_ckpt_placement import (
     _upload,
     current_placement,
     export_placement,
+    last_report,
     pinned_pool_bytes,
 )
 from te_ckpt_placement import _te_load as te_load
@@ -175,8 +176,7 @@ def test_load_fault_without_rollback_says_what_was_written_and_a_retry_repairs(
 # Small states are set aside and uploaded together (Uploader.write_many). With BF16 moments and
 # remainders in 64-byte chunks those are parameter 2's three states (jobs 6-8 of 12), uploaded
 # before job 9 is written; in 200-byte chunks jobs 3-10, then job 11 alone; with FP16 moments
-# and FP32 masters in 64-byte chunks parameter 2's three states too (its FP16 moments into one
-# FP32 temporary that TE scales from), before job 9 (FP16) is.
+# and FP32 masters in 64-byte chunks parameter 2's FP16 moments too, one at a time.
 # Each case: (moments, master, chunk bytes, where it fails, on which call, write_many's sizes,
 # states written, the state named, what the message says).
 SET_ASIDE_FAULTS = {
@@ -239,8 +239,9 @@ SET_ASIDE_FAULTS = {
         (3, "master_param"),
         "uploading the 1 states from state 'master_param' of parameter 3",
     ),
-    # Their upload, before an FP16 state, fails: that state (and its scale) is as it was, and
-    # so are the FP16 states among them (TE scales them only once their copies have landed).
+    # Their upload fails: parameter 2's first FP16 moment, set aside alone (its FP32 copy and the
+    # second's would not fit in the largest state's), is as it was, scale included (TE scales it
+    # only once its copy has landed), and so are the states after it.
     "before a scaled state": (
         torch.float16,
         "fp32",
@@ -250,7 +251,7 @@ SET_ASIDE_FAULTS = {
         [],
         6,
         (2, "exp_avg"),
-        "uploading the 3 states from state 'exp_avg' of parameter 2",
+        "uploading the 1 states from state 'exp_avg' of parameter 2",
     ),
 }
 
@@ -306,17 +307,64 @@ def test_a_fault_near_states_set_aside_says_which_were_written(
     assert_view_equal(optimizer_view(reference), optimizer_view(target))
 
 
+def build_sized(moments: torch.dtype, seed: int) -> Any:
+    """FP32 masters and moments of 1000, 100, 50 and 20 elements: the small ones' FP32 copies
+    fit together in the largest one's."""
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in (1000, 100, 50, 20)]
+    opt = make_optimizer(params, moments=moments, master="fp32")
+    train(opt, steps=2, seed=seed)
+    return opt
+
+
+def sized_loaded(moments: torch.dtype, checkpoint: dict[str, Any]) -> Any:
+    reference = build_sized(moments, seed=2)
+    reference.load_state_dict(copy.deepcopy(checkpoint))
+    return reference
+
+
 @pytest.mark.parametrize("moments", [torch.float16, torch.uint8])
 def test_small_scaled_states_share_a_temporary_no_larger_than_the_largest_alone(
     monkeypatch: pytest.MonkeyPatch, moments: torch.dtype
 ) -> None:
-    # Every state fits a quarter of a slot: the FP16/FP8 moments (35, 13, 2 and 24 elements) go
-    # into pieces of shared FP32 temporaries, each no more allocator blocks than the largest
-    # moment's own copy (one 512-byte block: two 256-byte pieces).
-    source = build(moments, "fp32", seed=1)
+    source = build_sized(moments, seed=1)
     with export_placement("cpu"):
         checkpoint = source.state_dict()
-    target = build(moments, "fp32", seed=2)
+    target = build_sized(moments, seed=2)
+    handed: list[torch.Tensor] = []
+    real = StandInFusedAdam.set_scaled_state
+
+    def recording(self: Any, param: Any, name: str, value: Any) -> Any:
+        handed.append(value)
+        return real(self, param, name, value)
+
+    monkeypatch.setattr(StandInFusedAdam, "set_scaled_state", recording)
+    with export_placement("cpu"):
+        target.load_state_dict(checkpoint)
+    report = last_report()
+    monkeypatch.undo()
+    storages: dict[int, list[torch.Tensor]] = {}
+    for value in handed:
+        storages.setdefault(value.untyped_storage().data_ptr(), []).append(value)
+    assert len(handed) == 8 and max(len(v) for v in storages.values()) >= 2, storages
+    for pieces in storages.values():  # no more bytes than the largest moment's own FP32 copy
+        assert pieces[0].untyped_storage().nbytes() <= 4 * 1000
+        base = pieces[0].untyped_storage().data_ptr()
+        assert all(v.is_contiguous() and (v.data_ptr() - base) % 256 == 0 for v in pieces)
+    assert report is not None and report.gpu_bytes == 4 * 1000
+    assert_view_equal(optimizer_view(sized_loaded(moments, checkpoint)), optimizer_view(target))
+
+
+def test_states_te_must_make_first_are_not_set_aside(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A fresh optimizer has no states: TE makes each FP8 one from FP32 zeros (_initialize_state),
+    # a second FP32 copy, so each is written alone, never next to a shared temporary.
+    source = build_sized(torch.uint8, seed=1)
+    with export_placement("cpu"):
+        checkpoint = source.state_dict()
+    gen = torch.Generator().manual_seed(2)
+    params = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in (1000, 100, 50, 20)]
+    target = make_optimizer(params, moments=torch.uint8, master="fp32")
+    assert not target.state
     handed: list[torch.Tensor] = []
     real = StandInFusedAdam.set_scaled_state
 
@@ -328,38 +376,36 @@ def test_small_scaled_states_share_a_temporary_no_larger_than_the_largest_alone(
     with export_placement("cpu"):
         target.load_state_dict(checkpoint)
     monkeypatch.undo()
-    storages: dict[int, list[torch.Tensor]] = {}
-    for value in handed:
-        storages.setdefault(value.untyped_storage().data_ptr(), []).append(value)
-    assert len(handed) == 8 and max(len(v) for v in storages.values()) == 2, storages
-    for pieces in storages.values():
-        assert pieces[0].untyped_storage().nbytes() <= 512
-        base = pieces[0].untyped_storage().data_ptr()
-        assert all(v.is_contiguous() and (v.data_ptr() - base) % 256 == 0 for v in pieces)
-    assert_view_equal(
-        optimizer_view(te_loaded(moments, "fp32", checkpoint)), optimizer_view(target)
+    assert len({v.untyped_storage().data_ptr() for v in handed}) == len(handed) == 8
+    reference = make_optimizer(
+        [torch.nn.Parameter(p.detach().clone()) for p in params], moments=torch.uint8, master="fp32"
     )
+    reference.load_state_dict(copy.deepcopy(checkpoint))
+    assert_view_equal(optimizer_view(reference), optimizer_view(target))
 
 
 @pytest.mark.parametrize("rollback", [False, True])
-def test_a_failure_in_tes_scaling_of_states_set_aside_names_them(
+def test_a_failure_in_tes_scaling_of_states_set_aside_names_that_state(
     monkeypatch: pytest.MonkeyPatch, rollback: bool
 ) -> None:
-    # FP16 moments and FP32 masters in 64-byte chunks: parameter 2's three states are set aside
-    # (jobs 6-8). Its master is copied and its first moment scaled; TE's scaling of the second
-    # fails.
-    monkeypatch.setattr(_ring, "CHUNK_BYTES", 64)
-    source = build(torch.float16, "fp32", seed=1)
+    # TE's scaling fails on the second FP16 state of a shared temporary, after the first was
+    # scaled and the states uploaded with them were copied.
+    source = build_sized(torch.float16, seed=1)
     with export_placement("cpu"):
         checkpoint = source.state_dict()
-    target = build(torch.float16, "fp32", seed=2)
+    target = build_sized(torch.float16, seed=2)
     before = optimizer_view(target)
+    params = [p for g in target.param_groups for p in g["params"]]
     real = StandInFusedAdam.set_scaled_state
     exc = KeyboardInterrupt() if rollback else RuntimeError("injected")
+    seen: list[int] = []
+    failed: list[tuple[int, str]] = []
 
     def fails(self: Any, param: Any, name: str, value: Any) -> Any:
-        if param.numel() == 2 and name == "exp_avg_sq":
+        if seen and seen[-1] == value.untyped_storage().data_ptr() and not failed:
+            failed.append((next(i for i, p in enumerate(params) if p is param), name))
             raise exc
+        seen.append(value.untyped_storage().data_ptr())
         return real(self, param, name, value)
 
     monkeypatch.setattr(StandInFusedAdam, "set_scaled_state", fails)
@@ -367,17 +413,18 @@ def test_a_failure_in_tes_scaling_of_states_set_aside_names_them(
     with pytest.raises(expected) as caught, export_placement("cpu", rollback=rollback):
         target.load_state_dict(checkpoint)
     monkeypatch.undo()
-    assert _ring.in_use() == 0
+    assert _ring.in_use() == 0 and failed
     if rollback:
         assert_view_equal(before, optimizer_view(target))
     else:
         error = caught.value
         assert isinstance(error, te_load.PartialLoadError)
-        assert (error.written, error.index, error.name) == (6, 2, "exp_avg")
-        assert "uploading the 3 states from state 'exp_avg' of parameter 2 on failed" in str(error)
+        index, name = failed[0]
+        assert (error.index, error.name) == (index, name) and error.written < error.total
+        assert f"TE's scaling of state {name!r} of parameter {index} failed" in str(error)
     with export_placement("cpu"):
         target.load_state_dict(checkpoint)
-    reference = te_loaded(torch.float16, "fp32", checkpoint)
+    reference = sized_loaded(torch.float16, checkpoint)
     assert_view_equal(optimizer_view(reference), optimizer_view(target))
 
 
