@@ -323,14 +323,8 @@ def sized_loaded(moments: torch.dtype, checkpoint: dict[str, Any]) -> Any:
     return reference
 
 
-@pytest.mark.parametrize("moments", [torch.float16, torch.uint8])
-def test_small_scaled_states_share_a_temporary_no_larger_than_the_largest_alone(
-    monkeypatch: pytest.MonkeyPatch, moments: torch.dtype
-) -> None:
-    source = build_sized(moments, seed=1)
-    with export_placement("cpu"):
-        checkpoint = source.state_dict()
-    target = build_sized(moments, seed=2)
+def handed_to_scaling(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
+    """Every value TE's ``set_scaled_state`` is handed from now on (until ``monkeypatch.undo``)."""
     handed: list[torch.Tensor] = []
     real = StandInFusedAdam.set_scaled_state
 
@@ -339,6 +333,18 @@ def test_small_scaled_states_share_a_temporary_no_larger_than_the_largest_alone(
         return real(self, param, name, value)
 
     monkeypatch.setattr(StandInFusedAdam, "set_scaled_state", recording)
+    return handed
+
+
+@pytest.mark.parametrize("moments", [torch.float16, torch.uint8])
+def test_small_scaled_states_share_a_temporary_no_larger_than_the_largest_alone(
+    monkeypatch: pytest.MonkeyPatch, moments: torch.dtype
+) -> None:
+    source = build_sized(moments, seed=1)
+    with export_placement("cpu"):
+        checkpoint = source.state_dict()
+    target = build_sized(moments, seed=2)
+    handed = handed_to_scaling(monkeypatch)
     with export_placement("cpu"):
         target.load_state_dict(checkpoint)
     report = last_report()
@@ -365,14 +371,7 @@ def test_states_te_must_make_first_are_not_set_aside(monkeypatch: pytest.MonkeyP
     params = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in (1000, 100, 50, 20)]
     target = make_optimizer(params, moments=torch.uint8, master="fp32")
     assert not target.state
-    handed: list[torch.Tensor] = []
-    real = StandInFusedAdam.set_scaled_state
-
-    def recording(self: Any, param: Any, name: str, value: Any) -> Any:
-        handed.append(value)
-        return real(self, param, name, value)
-
-    monkeypatch.setattr(StandInFusedAdam, "set_scaled_state", recording)
+    handed = handed_to_scaling(monkeypatch)
     with export_placement("cpu"):
         target.load_state_dict(checkpoint)
     monkeypatch.undo()
