@@ -47,6 +47,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -840,8 +841,7 @@ class Run:
                 for r in self.records
                 if r["op"] == "megatron_load" and r["case"] == case.name and r["mode"] == mode
             ]
-            seconds = sorted(r["seconds"] for r in loads)
-            median = seconds[len(seconds) // 2]
+            median = statistics.median_high(r["seconds"] for r in loads)
             self.records.append(
                 {
                     "op": "megatron_load_median",
@@ -850,7 +850,7 @@ class Run:
                     "mode": mode,
                     "seconds": median,
                     "world_size": self.world,
-                    "repeats": len(seconds),
+                    "repeats": len(loads),
                     "seconds_each": [r["seconds"] for r in loads],
                 }
             )

@@ -57,7 +57,7 @@ def template_state(
     Its pages are left to the read that fills it, as those of the tensors Megatron's own read
     makes (``torch.load``) are: faulting them in first, on the calling thread, on the host
     workers' team or in the background, made test-size loads slower, not faster
-    (docs/performance-log.md section 15).
+    (docs/performance-log.md sections 15 and 16).
     """
     facts = te_contract.state_facts(inner, param, name)
     if facts is None:  # raises the export's error for a state TE does not keep
@@ -65,8 +65,7 @@ def template_state(
     assert facts is not None
     if facts.te_dtype == torch.float32 and not placement.rollback:
         return inner.get_unscaled_state(param, name)  # the live tensor (L341-347)
-    shape = torch.Size(facts.local_shape)
-    return _pool.empty_host(shape, host_dtype(facts))
+    return _pool.empty_host(torch.Size(facts.local_shape), host_dtype(facts))
 
 
 def host_dtype(facts: te_contract.StateFacts) -> torch.dtype:
