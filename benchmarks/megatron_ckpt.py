@@ -15,7 +15,8 @@ which builds TE ``FusedAdam`` inside a ``ChainedOptimizer``. For each case of :f
 3. resume a fresh model and optimizer from each checkpoint (the placed one placed), then train
    on; the optimizer states and parameters must be bit-identical after the load and after the
    steps (the placed run takes its steps inside ``export_placement("cpu")``);
-4. check the GPU memory of the placed saves and loads against what Megatron itself needs.
+4. check the GPU memory of the placed saves and loads against what Megatron itself needs;
+5. (``nan_probe``) load BF16 moments holding NaNs both ways: the same bits, NaNs included.
 
 ``fully_sharded_model_space`` is rejected by megatron-core 0.19.2 itself ("ShardedTensor.
 flattened_range is not supported"): the run checks that the placed save fails the same way.
@@ -993,6 +994,57 @@ class Run:
             },
         )
 
+    def nan_probe(self) -> None:
+        """For each BF16 case of the run: moments holding NaNs of several payloads, saved by
+        Megatron and loaded both ways. The placed load must leave the bits Megatron's own leaves:
+        TE rounds them on the device where Megatron's own template is there (dp_reshardable),
+        on the host where it is host memory (dp_zero_gather_scatter, fully_reshardable)."""
+        from te_ckpt_placement.integrations.megatron import place_optimizer
+
+        payloads = torch.tensor([0x7F81, 0xFFC1, 0x7FC0, 0xFFFF], dtype=torch.int32).to(torch.int16)
+        for case in cases(self.world):
+            if case.moments != torch.bfloat16 or case.sharding_type == "fully_sharded_model_space":
+                continue
+            model, gpt, optimizer = build(self.size, case, seed=1)
+            train(model, optimizer, self.size, 1, seed=1)
+            inner = distributed_optimizer(optimizer).optimizer
+            for states in inner.state.values():
+                for name in ("exp_avg", "exp_avg_sq"):
+                    states[name].view(-1).view(torch.int16)[:4] = payloads.to(DEVICE)
+            ckpt = self.root / f"nan_probe_{case.sharding_type}"
+            save(gpt, optimizer, case, ckpt)
+            del model, gpt, optimizer, inner
+            _free()
+            loaded, firsts = {}, {}
+            for mode in ("te_default", "placement_cpu"):
+                _model, gpt, optimizer = build(self.size, case, seed=2)
+                if mode == "placement_cpu":
+                    place_optimizer(optimizer)
+                load(gpt, optimizer, case, ckpt)
+                loaded[mode] = snapshot(gpt, optimizer)
+                firsts[mode] = sorted(
+                    {
+                        hex(int(v) & 0xFFFF)
+                        for k, t in loaded[mode].items()
+                        if k.endswith(("exp_avg", "exp_avg_sq"))
+                        for v in t[:8].view(torch.int16).tolist()[:4]
+                    }
+                )
+                del _model, gpt, optimizer
+                _free()
+            diff = differences(loaded["placement_cpu"], loaded["te_default"])
+            nans = any(int(b, 16) & 0x7FFF > 0x7F80 for b in firsts["te_default"])
+            self.check(
+                case,
+                "NaN moments load as Megatron's own load leaves them",
+                nans and not diff,
+                {"differences": diff, "first_moment_bits": firsts},
+            )
+            if self.rank == 0:
+                print(f"nan probe {case.name}: {firsts}", flush=True)
+                shutil.rmtree(ckpt, ignore_errors=True)
+            torch.distributed.barrier()
+
     def remainder_probe(self) -> None:
         """Megatron's own dp_zero_gather_scatter load with int16 remainders (no placement)."""
         case = Case("dp_zero_gather_scatter", remainders=True)
@@ -1117,6 +1169,8 @@ def main(argv: list[str] | None = None) -> int:
                 attempt(case.name, lambda case=case: run.run_case(case))
         if not wanted or "dp_reshardable" in wanted:
             attempt("size probe", run.size_probe)
+        if not wanted:
+            attempt("NaN probe", run.nan_probe)
         if run.world == 1 and not wanted:
             attempt("probe", run.remainder_probe)
         write(done=True)

@@ -3,15 +3,17 @@
 Exports: FP16 and FP8 states widened and scaled with TE's single FP32 rounding, in any FTZ/DAZ
 mode, and NaNs canonicalized as CUDA's multiply leaves them (:func:`convert_fn`, per chunk, in
 blocks). Loads: FP32 rounded to BF16 with the NaN bits of the kernel torch's conversion of the
-whole tensor would take (:func:`to_bf16`, :class:`Slot`), and device-side writes as TE makes them
-(:func:`write_device`). Nothing here knows Transformer Engine or moves memory between devices.
+whole tensor would take (:func:`to_bf16`, :class:`Slot`), or of a device's cast for host values
+that stand in for device ones (:func:`device_bf16_nan`), and device-side writes as TE makes them
+(:func:`write_device`). Nothing here knows Transformer Engine or moves memory between devices,
+but for the few bytes of that probe, once per device.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import torch
@@ -311,21 +313,81 @@ def bf16_by_kernel(values: torch.Tensor, vectorized: bool) -> torch.Tensor:
     return spaced.bfloat16()[:n]
 
 
-def to_bf16(out: torch.Tensor, block: torch.Tensor, whole_vectorized: bool | None) -> None:
+def to_bf16(
+    out: torch.Tensor,
+    block: torch.Tensor,
+    whole_vectorized: bool | None,
+    *,
+    nan_bits: int | None = None,
+) -> None:
     """Converts ``block`` into ``out`` (contiguous BF16) with the bits of the whole conversion,
-    on the host workers' team when there is one."""
-    _workers.call(_to_bf16, out, block, whole_vectorized, elements=out.numel())
+    on the host workers' team when there is one; with ``nan_bits``, with the bits of a device's
+    cast instead (:func:`device_bf16_nan`)."""
+    _workers.call(_to_bf16, out, block, whole_vectorized, nan_bits, elements=out.numel())
 
 
-def _to_bf16(out: torch.Tensor, block: torch.Tensor, whole_vectorized: bool | None) -> None:
+def _to_bf16(
+    out: torch.Tensor,
+    block: torch.Tensor,
+    whole_vectorized: bool | None,
+    nan_bits: int | None = None,
+) -> None:
     source = block if block.dtype == torch.float32 else block.float()
     out.copy_(source)
+    if nan_bits is not None:
+        # A sum is NaN where an element is (or +inf meets -inf): one cheap pass before the mask.
+        if source.numel() and math.isnan(float(source.sum())):
+            nan = source.isnan()
+            out.view(torch.int16)[nan] = nan_bits - (1 << 16) if nan_bits >= 1 << 15 else nan_bits
+        return
     mine = vectorized(tuple(out.stride()), tuple(source.shape), tuple(source.stride()))
     if mine is None or whole_vectorized is None or mine != whole_vectorized:
         nan = source.isnan()
         if bool(nan.any()):
             fixed = bf16_by_kernel(source[nan], bool(whole_vectorized))
             out.view(torch.int16)[nan] = fixed.view(torch.int16)
+
+
+#: FP32 NaNs of both signs, quiet and signalling, with and without payloads.
+_NAN_PROBE = (0x7FC00000, 0xFFC00000, 0x7F800001, 0x7FA01234, 0xFFFFFFFF, 0xFF812345)
+
+
+@functools.cache
+def _device_bf16_nan(device: torch.device) -> int:
+    probe = torch.tensor(_NAN_PROBE, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    return one_nan(probe.to(device).bfloat16().view(torch.int16).tolist(), device)
+
+
+def one_nan(written: Iterable[int], device: torch.device) -> int:
+    """The one BF16 pattern ``device``'s cast wrote for every NaN of the probe (``written``)."""
+    patterns = {int(b) & 0xFFFF for b in written}
+    if len(patterns) != 1:
+        raise RuntimeError(
+            f"{device} rounds FP32 NaNs to BF16 keeping part of their payloads "
+            f"({sorted(hex(b) for b in patterns)}), which te_ckpt_placement's host rounding "
+            "does not reproduce: load this optimizer without the policy (for Megatron, "
+            "unplace_optimizer), or on a device whose cast writes one NaN (CUDA on sm_80 and "
+            "later writes 0x7fff)"
+        )
+    return patterns.pop()
+
+
+def device_bf16_nan(device: torch.device) -> int | None:
+    """The BF16 bits ``device``'s own FP32-to-BF16 cast writes for every NaN; None for the host.
+
+    TE rounds a BF16 state on the device of the FP32 value it is handed (``_apply_scale``'s
+    ``.bfloat16()``). A host value that stands in for a device one (Megatron's load template,
+    :mod:`.integrations.megatron`) is rounded on the host with these NaN bits: finite values
+    round alike, to nearest even (every FP32 pattern checked on an H200, tests/test_gpu_load.py),
+    and CUDA's cast writes 0x7FFF for every NaN on sm_80 and later
+    (benchmarks/results/h200_bf16_nan_bits.json), where the host's kernels write 0xFFFF or
+    0x7FC0. Probed once per device; a device whose cast keeps payloads raises ``RuntimeError``.
+    """
+    if device.type == "cpu":
+        return None
+    if device.index is None and device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _device_bf16_nan(device)
 
 
 def write_device(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -221,7 +221,11 @@ def _device_fp32(value: Any) -> torch.Tensor:
 
 
 def load_states(
-    optimizer: Any, states: Iterable[tuple[torch.Tensor, str, Any]], *, rollback: bool = False
+    optimizer: Any,
+    states: Iterable[tuple[torch.Tensor, str, Any]],
+    *,
+    rollback: bool = False,
+    round_as_device: bool = False,
 ) -> None:
     """Writes ``(param, name, value)`` states into a TE FusedAdam exactly as its load would.
 
@@ -237,22 +241,34 @@ def load_states(
         states: ``(param, name, value)`` triples; ``param`` is one of ``optimizer``'s parameters.
         rollback: On a failure part-way, put the written states back (a host copy of each
             overwritten state, made as the load goes); otherwise raise :class:`PartialLoadError`.
+        round_as_device: The host values stand in for values on the states' devices (Megatron's
+            load templates): BF16 states get the bits TE's rounding gives there, which differ
+            from the host's in NaNs only (:func:`._convert.device_bf16_nan`).
     """
     with reports.operation("load", path="load_states"):
-        _load_states(Contract.of(optimizer), states, rollback=rollback)
+        _load_states(
+            Contract.of(optimizer), states, rollback=rollback, round_as_device=round_as_device
+        )
 
 
 def _load_states(
-    contract: Contract, states: Iterable[tuple[torch.Tensor, str, Any]], *, rollback: bool
+    contract: Contract,
+    states: Iterable[tuple[torch.Tensor, str, Any]],
+    *,
+    rollback: bool,
+    round_as_device: bool = False,
 ) -> None:
-    _write_jobs(contract, checked_jobs(contract, states), rollback=rollback)
+    jobs = checked_jobs(contract, states)
+    _write_jobs(contract, jobs, rollback=rollback, round_as_device=round_as_device)
 
 
-def _write_jobs(contract: Contract, jobs: list[Job], *, rollback: bool) -> None:
+def _write_jobs(
+    contract: Contract, jobs: list[Job], *, rollback: bool, round_as_device: bool = False
+) -> None:
     optimizer = contract.optimizer
     _count_te_cost(contract, [(j.index, j.param, {j.name: j.value}) for j in jobs], bulk_cast=False)
     undo = _Rollback(optimizer) if rollback else None
-    _write_all(optimizer, lambda: jobs, undo)
+    _write_all(optimizer, lambda: jobs, undo, round_as_device=round_as_device)
     note_loaded(optimizer)
 
 

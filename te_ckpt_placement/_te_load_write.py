@@ -193,14 +193,16 @@ def _raw_write(optimizer: Any, job: Job) -> bool:
 
 
 @contextmanager
-def _uploaders() -> Iterator[Any]:
+def _uploaders(round_as_device: bool) -> Iterator[Any]:
     """Uploaders by device, entered on first use; leaving waits for every copy."""
     with ExitStack() as stack:
         open_: dict[torch.device, _upload.Uploader] = {}
 
         def get(device: torch.device) -> _upload.Uploader:
             if device not in open_:
-                open_[device] = stack.enter_context(_upload.Uploader(device))
+                open_[device] = stack.enter_context(
+                    _upload.Uploader(device, round_as_device=round_as_device)
+                )
             return open_[device]
 
         yield get
@@ -456,9 +458,16 @@ class _Batch(NamedTuple):
     temporary: int  # device bytes of the FP16/FP8 states' FP32 copies
 
 
-def _write_all(optimizer: Any, prepare: Callable[[], list[Job]], undo: _Rollback | None) -> None:
+def _write_all(
+    optimizer: Any,
+    prepare: Callable[[], list[Job]],
+    undo: _Rollback | None,
+    *,
+    round_as_device: bool = False,
+) -> None:
     """Writes the jobs ``prepare`` sets up; on a failure restores (``undo``) or says exactly
-    what was written."""
+    what was written. ``round_as_device``: host values stand in for values on their states'
+    devices, BF16 ones rounded as there (:class:`._upload.Uploader`)."""
     jobs: list[Job] = []
     written = 0
     job: Job | None = None
@@ -475,7 +484,7 @@ def _write_all(optimizer: Any, prepare: Callable[[], list[Job]], undo: _Rollback
         # The FP16/FP8 states set aside together hold no more device memory than the largest
         # one written alone would.
         temporaries = _largest_temporary(jobs)
-        with _uploaders() as uploader, torch.no_grad():
+        with _uploaders(round_as_device) as uploader, torch.no_grad():
 
             def upload_batch() -> None:
                 nonlocal batch, uploading, written

@@ -16,7 +16,7 @@ import torch
 
 from . import _reports as reports
 from . import _workers
-from ._convert import bf16_copy_is_vectorized
+from ._convert import bf16_copy_is_vectorized, device_bf16_nan
 from ._convert import host_copy as _host_copy
 from ._convert import to_bf16 as _to_bf16
 from ._ring import ALIGN, lend, pipeline_slots
@@ -33,10 +33,15 @@ class Uploader:
     allocation or last use is queued there), and :meth:`fence` makes the current stream wait for
     the copies before it reads them. The copy stream allocates nothing, and the ring is
     synchronized before it is returned, so no device tensor is freed while a copy still writes it.
+
+    BF16 destinations get the bits of TE's ``.bfloat16()`` of the host value; with
+    ``round_as_device``, of the same value on ``device`` (the host values stand in for device
+    ones, :func:`._convert.device_bf16_nan`).
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, round_as_device: bool = False) -> None:
         self.device = device
+        self._nan_bits = device_bf16_nan(device) if round_as_device else None
         self._exit = ExitStack()
         self._ring: Any = None
         self._slot = -1
@@ -101,7 +106,7 @@ class Uploader:
         # Host temporaries: a non-FP32 source is widened to FP32 block by block.
         wide = 4 if bf16 and src.dtype != torch.float32 else 0
         temporary = wide * next(row_blocks(shape, limit))[1] if wide else 0  # largest: the first
-        if bf16 and whole is None:
+        if bf16 and whole is None and self._nan_bits is None:
             # One element (0-d included): the whole conversion itself, whichever kernel it takes.
             source = src.float().bfloat16().permute(order)
             bf16, temporary = False, (wide + 2) * n
@@ -110,7 +115,11 @@ class Uploader:
             recorder.uploaded(n * size, temporary)
         # Each block is converted into its slot on the host workers' team where there is one,
         # the next block handed over before this one's upload is queued.
-        fill = functools.partial(_to_bf16, whole_vectorized=whole) if bf16 else _host_copy
+        fill = (
+            functools.partial(_to_bf16, whole_vectorized=whole, nan_bits=self._nan_bits)
+            if bf16
+            else _host_copy
+        )
         with torch.no_grad(), _workers.Tasks(caller_copies=True) as tasks:
             queued: Any = None  # the previous block: (its conversion, slot, start, count, buf)
             for start, count, index in row_blocks(shape, limit):
@@ -153,7 +162,7 @@ class Uploader:
             def hand_over() -> None:
                 """Hands this slot's conversions over, then queues the previous slot's copies."""
                 nonlocal queued, batch, elements
-                converting = tasks.submit(_fill_all, batch, elements=elements)
+                converting = tasks.submit(_fill_all, batch, self._nan_bits, elements=elements)
                 if queued is not None:
                     self._upload_all(*queued)
                 queued = (converting, self._slot, batch)
@@ -203,11 +212,14 @@ class Uploader:
 BATCHED_SLOT_SHARE = 4
 
 
-def _fill_all(batch: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+def _fill_all(
+    batch: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], nan_bits: int | None
+) -> None:
     """Converts each ``src`` into its slot view ``buf`` as :meth:`Uploader.write` does a whole
-    state of one block: BF16 with the bits of ``src.float().bfloat16()``, else torch's copy."""
+    state of one block: BF16 with the bits of ``src.float().bfloat16()`` (or of a device's cast,
+    ``nan_bits``), else torch's copy."""
     for buf, src, _ in batch:
         if buf.dtype == torch.bfloat16:
-            _to_bf16(buf, src, bf16_copy_is_vectorized(src))
+            _to_bf16(buf, src, bf16_copy_is_vectorized(src), nan_bits=nan_bits)
         else:
             buf.copy_(src)

@@ -296,6 +296,53 @@ def test_load_states_entry_point_equals_te_load() -> None:
     assert extra <= bound(mode, target)
 
 
+def test_rounding_as_the_device_is_the_devices_cast_for_every_fp32_pattern() -> None:
+    """The host rounding with the device's NaN bits (``_convert.device_bf16_nan``) equals the
+    device's own ``.bfloat16()`` for all 2**32 FP32 patterns, in blocks of 2**26."""
+    from te_ckpt_placement import _convert
+
+    nan_bits = _convert.device_bf16_nan(torch.device("cuda"))
+    assert nan_bits is not None
+    block = 1 << 26
+    out = torch.empty(block, dtype=torch.bfloat16)
+    mismatched = 0
+    for start in range(-(1 << 31), 1 << 31, block):
+        patterns = torch.arange(start, start + block, dtype=torch.int32, device="cuda")
+        values = patterns.view(torch.float32)
+        device = values.bfloat16().view(torch.int16).cpu()
+        _convert.to_bf16(out, values.cpu(), True, nan_bits=nan_bits)
+        mismatched += int((out.view(torch.int16) != device).sum())
+    assert mismatched == 0
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
+def test_load_states_rounding_as_the_device_equals_tes_set_scaled_state_of_device_values(
+    mode: Mode, layout: str
+) -> None:
+    """What Megatron's own load does with its device template (``set_scaled_state`` of each
+    state, TE rounding on the GPU), from host values standing in for it: NaN payloads too."""
+    from te_ckpt_placement._te_load import load_states
+
+    checkpoint = host_checkpoint(mode, layout=layout, special=True)
+    target, reference = twins(mode, seed=2)
+    params = [p for g in target.param_groups for p in g["params"]]
+    theirs = [p for g in reference.param_groups for p in g["params"]]
+    triples = [(k, n, v) for k, s in checkpoint["state"].items() for n, v in s.items()]
+    for k, name, value in triples:
+        reference.set_scaled_state(theirs[k], name, value.cuda())
+    with export_placement("cpu"):
+        load_states(target, [(params[k], n, v) for k, n, v in triples], round_as_device=True)
+    assert_same_live(target, reference)
+    if torch.bfloat16 in (mode.exp_avg, mode.exp_avg_sq):
+        # The special values' NaNs: the host's own rounding gives other bits.
+        host, _ = twins(mode, seed=2)
+        mine = [p for g in host.param_groups for p in g["params"]]
+        load_states(host, [(mine[k], n, v) for k, n, v in triples])
+        pairs = zip(live_bits(host), live_bits(target), strict=True)
+        assert any(not torch.equal(a, b) for (_, a), (_, b) in pairs)
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("layout", OVERLAPPING)
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)

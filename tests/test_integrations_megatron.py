@@ -477,25 +477,87 @@ def test_a_load_writes_the_loaded_states_once_with_the_placements_rollback(
     api: SimpleNamespace, rollback: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     built, saved, run, template = _placed_template(api, rollback)
-    calls: list[tuple[int, bool]] = []
+    calls: list[tuple[int, bool, bool]] = []
     real = megatron.te_load.load_states
 
-    def spy(optimizer: Any, states: Any, *, rollback: bool = False) -> None:
+    def spy(optimizer: Any, states: Any, *, rollback: bool, round_as_device: bool) -> None:
         states = list(states)
-        calls.append((len(states), rollback))
-        real(optimizer, states, rollback=rollback)
+        calls.append((len(states), rollback, round_as_device))
+        real(optimizer, states, rollback=rollback, round_as_device=round_as_device)
 
     monkeypatch.setattr(megatron.te_load, "load_states", spy)
     run.optimizer.load_state_dict(simulate_load(template, saved))
     # One call after Megatron's own load_state_dict: every parameter's three states with
     # rollback; without it the two BF16 moments, the int16 remainders having been read in place
-    # (as Megatron's own template is their live tensor).
-    assert calls == [((3 if rollback else 2) * len(run.params), rollback)]
+    # (as Megatron's own template is their live tensor). Rounded as on the device, where
+    # Megatron's own dp_reshardable template is.
+    assert calls == [((3 if rollback else 2) * len(run.params), rollback, True)]
     report = last_report()
     assert report is not None and report.details.get("states_read_in_place", 0) == (
         0 if rollback else len(run.params)
     )
     assert_same_raw(run.inner, built.inner)
+
+
+@pytest.mark.parametrize(
+    ("sharding_type", "on_device"),
+    [
+        ("dp_reshardable", True),
+        ("fully_sharded_model_space", True),
+        ("dp_zero_gather_scatter", False),
+        ("fully_reshardable", False),
+    ],
+)
+def test_bf16_states_are_rounded_where_megatrons_own_template_is(
+    sharding_type: str, on_device: bool
+) -> None:
+    # Megatron's own dp_reshardable and fully_sharded_model_space templates hold
+    # get_unscaled_state's device tensors (L1090-1117), which TE rounds on the device; the other
+    # two read into host buffers of Megatron's own (L1318-1341, L2310-2312) in both loads.
+    from te_ckpt_placement.integrations._megatron_load import Deferred
+
+    loading = {"param_state": {}, "param_state_sharding_type": sharding_type}
+    assert Deferred.for_load(object(), loading).round_as_device is on_device
+    assert Deferred.for_load(object(), {}).round_as_device is False  # no parameter state
+
+
+def _entries(tree: Any) -> Iterator[dict[str, Any]]:
+    """Every parameter's entry (not padding) of a saved dp_reshardable ``param_state``."""
+    if isinstance(tree, dict):
+        if "padding" in tree:
+            if not getattr(tree["padding"], "obj", tree["padding"]):  # LocalNonpersistentObject
+                yield tree
+            return
+        tree = list(tree.values())
+    if isinstance(tree, list):
+        for item in tree:
+            yield from _entries(item)
+
+
+def test_a_placed_load_rounds_nans_as_the_device_would(
+    api: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On a GPU, Megatron's own dp_reshardable load rounds the BF16 moments there (CUDA writes
+    # 0x7FFF for every NaN; tests/test_gpu_load.py checks the host rounding against the device's
+    # cast). Here the CPU "device" is given those NaN bits, so the placed load must write them.
+    from te_ckpt_placement import _upload
+
+    monkeypatch.setattr(_upload, "device_bf16_nan", lambda device: 0x7FFF)
+    saved = _saved_bf16(api)
+    entries = list(_entries(saved["param_state"]))
+    assert entries
+    for entry in entries:
+        entry["exp_avg"].data.view(-1).view(torch.int32)[:3] = torch.tensor(
+            [0x7FC00000, 0xFFC00000, 0x7FA01234], dtype=torch.int64
+        ).to(torch.int32)
+    run, template = _run_with_nan_payloads(api, "cpu")
+    run.optimizer.load_state_dict(simulate_load(template, saved))
+    firsts = [
+        v.view(-1).view(torch.int16)[:3].tolist()
+        for k, v in raw_states(run.inner).items()
+        if k[2] == "exp_avg"
+    ]
+    assert firsts and all(f == [0x7FFF] * 3 for f in firsts), firsts
 
 
 @pytest.mark.parametrize("rollback", [False, True])

@@ -425,6 +425,27 @@ def test_bf16_rounding_under_flush_denormal_equals_te(small_chunks: None, layout
     assert_same_optimizer(target, reference)
 
 
+def chunked_bf16(src: torch.Tensor, limit: int, nan_bits: int | None = None) -> torch.Tensor:
+    """``src`` converted to a BF16 tensor of its shape as the uploader does, in row blocks of
+    at most ``limit`` elements (``to_bf16``, with ``nan_bits`` if given)."""
+    from te_ckpt_placement import _convert, _tensors
+
+    dst = torch.empty(src.shape, dtype=torch.bfloat16)
+    order = _tensors.memory_order(dst)
+    assert order is not None
+    whole = _convert.bf16_copy_is_vectorized(src)
+    flat, permuted = dst.permute(order).reshape(-1), src.permute(order)
+    for start, count, index in _tensors.row_blocks(tuple(dst.permute(order).shape), limit):
+        out = torch.empty(count, dtype=torch.bfloat16)
+        block = permuted[index]
+        _convert.to_bf16(out.view(block.shape), block, whole, nan_bits=nan_bits)
+        flat[start : start + count] = out
+    return dst
+
+
+BF16_SHAPES = [(37, 29), (300,), (5, 1, 41), (1, 333), (2, 3, 4, 25)]
+
+
 @pytest.mark.parametrize("workers", [0, 3], ids=["calling_thread", "host_workers"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("limit", [7, 64, 1 << 20])
@@ -433,29 +454,55 @@ def test_chunked_bf16_conversion_equals_whole_conversion(
 ) -> None:
     """Every chunk's bits equal ``src.float().bfloat16()`` of the whole tensor (TE's op), also
     split by rows over host workers."""
-    from te_ckpt_placement import _convert, _tensors
-
     from .support.workers import small_team
 
     with small_team(workers, elements=20):
         gen = torch.Generator().manual_seed(3)
-        for shape in [(37, 29), (300,), (5, 1, 41), (1, 333), (2, 3, 4, 25)]:
+        for shape in BF16_SHAPES:
             values = with_special_values(
                 torch.randn(shape, generator=gen) * 1e-39, offset=len(shape)
             )
             src = restride(values, layout)
             expected = src.float().bfloat16().contiguous()
-            dst = torch.empty(shape, dtype=torch.bfloat16)
-            order = _tensors.memory_order(dst)
-            assert order is not None
-            whole = _convert.bf16_copy_is_vectorized(src)
-            flat, permuted = dst.permute(order).reshape(-1), src.permute(order)
-            for start, count, index in _tensors.row_blocks(tuple(dst.permute(order).shape), limit):
-                out = torch.empty(count, dtype=torch.bfloat16)
-                block = permuted[index]
-                _convert.to_bf16(out.view(block.shape), block, whole)
-                flat[start : start + count] = out
+            dst = chunked_bf16(src, limit)
             assert torch.equal(bits(dst), bits(expected)), (layout, shape, limit)
+
+
+@pytest.mark.parametrize("nan_bits", [0x7FFF, 0xFFC1])
+@pytest.mark.parametrize("workers", [0, 3], ids=["calling_thread", "host_workers"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_bf16_rounding_as_a_device_gives_its_nan_bits_and_the_hosts_finite_bits(
+    layout: str, workers: int, nan_bits: int
+) -> None:
+    """With a device's NaN bits, every NaN becomes them and every other value is rounded as on
+    the host (the GPU suite checks the device's cast is exactly that); a block with both
+    infinities and no NaN is left as it is."""
+    from .support.workers import small_team
+
+    with small_team(workers, elements=20):
+        gen = torch.Generator().manual_seed(4)
+        for shape in BF16_SHAPES:
+            values = with_special_values(torch.randn(shape, generator=gen), offset=len(shape))
+            src = restride(values, layout)
+            nan = src.isnan()
+            assert bool(nan.any()) and bool(src.isinf().any())
+            expected = src.float().bfloat16().contiguous()
+            expected.view(torch.int16)[nan] = nan_bits - (1 << 16) if nan_bits >> 15 else nan_bits
+            for limit in (7, 1 << 20):
+                dst = chunked_bf16(src, limit, nan_bits)
+                assert torch.equal(bits(dst), bits(expected)), (layout, shape, limit)
+    infinities = torch.tensor([float("inf"), 1.0, float("-inf"), 3.0])
+    dst = chunked_bf16(infinities, 1 << 20, nan_bits)
+    assert torch.equal(bits(dst), bits(infinities.bfloat16()))
+
+
+def test_a_device_whose_cast_keeps_nan_payloads_is_refused() -> None:
+    from te_ckpt_placement import _convert
+
+    assert _convert.device_bf16_nan(torch.device("cpu")) is None  # the host rounds as the host
+    assert _convert.one_nan([0x7FFF, 0x7FFF], torch.device("cuda", 0)) == 0x7FFF
+    with pytest.raises(RuntimeError, match=r"cuda:0 rounds FP32 NaNs .*\['0x7fc0', '0xffc0'\]"):
+        _convert.one_nan([0x7FC0, 0xFFC0], torch.device("cuda", 0))
 
 
 def test_the_two_bf16_kernels_differ_only_in_nans() -> None:

@@ -17,18 +17,34 @@ from .. import _te_contract as te_contract
 from .. import _te_load as te_load
 from .._policy import Placement
 
+#: The sharding types whose template Megatron's own load fills is ``get_unscaled_state``'s
+#: device tensors (L1090-1117, here :func:`template_state`'s host ones), which TE then rounds on
+#: the device. For dp_zero_gather_scatter and fully_reshardable it is host memory of Megatron's
+#: own in both loads (L1318-1341, L2310-2312).
+DEVICE_TEMPLATES = frozenset({"dp_reshardable", "fully_sharded_model_space"})
+
 
 @dataclass
 class Deferred:
     """What a placed ``load_state_dict`` of ``inner`` leaves for its end: the loaded states to
     write, ``(param, name, value)``, how many the read had already put in place
-    (:func:`template_state`), and the states TE's round trip has still to set
-    (``te_load.reload_in_place``'s ``later``)."""
+    (:func:`template_state`), the states TE's round trip has still to set
+    (``te_load.reload_in_place``'s ``later``), and whether the values stand in for device ones
+    (:meth:`for_load`)."""
 
     inner: Any
+    round_as_device: bool = False
     states: list[tuple[Any, str, Any]] = field(default_factory=list)
     in_place: int = 0
     round_trip: list[tuple[Any, str]] = field(default_factory=list)
+
+    @classmethod
+    def for_load(cls, inner: Any, state_dict: Any) -> Deferred:
+        """For a ``load_state_dict`` of ``state_dict``: its BF16 states rounded as on the device
+        where they are set from :func:`template_state`'s host stand-ins of device tensors
+        (:data:`DEVICE_TEMPLATES`, L1070-1088)."""
+        kind = state_dict.get("param_state_sharding_type") if isinstance(state_dict, dict) else None
+        return cls(inner, round_as_device=kind in DEVICE_TEMPLATES)
 
     def finish_round_trip(self, *, skip_loaded: bool = False) -> None:
         """Sets the states TE's round trip has still to set (``skip_loaded``: except those the

@@ -38,7 +38,8 @@ inside a streaming policy (references are megatron-core 0.19.2,
   BF16 and FP16 states, is left out where a loaded state overwrites its result; and
   ``_set_main_param_and_optimizer_states`` (L1193-1225) writes each loaded state as TE's load
   does, host tensors through the pinned pipeline (``te_load.load_states``; inside
-  ``load_state_dict`` all of them together, when it returns).
+  ``load_state_dict`` all together, when it returns; BF16 rounded as on the device for the
+  sharding types whose own template is there, ``Deferred.for_load``).
 
 Checkpoints stay byte-compatible with Megatron's own. TE's class is not touched and neither is its
 ``get_unscaled_state``: TE's ``step()`` calls that itself (and a step can run inside checkpoint
@@ -313,7 +314,7 @@ def _load_state_dict(optimizer: Any, original: Callable[[Any], Any], state_dict:
         # Megatron hands TE's state_dict() back to TE's load_state_dict (L965, L1046): both
         # stay on the device, state by state (te_load.reload_in_place), instead of a whole
         # export to the host and a load back.
-        deferred = Deferred(inner)
+        deferred = Deferred.for_load(inner, state_dict)
         token = _DEFERRED.set({**(_DEFERRED.get() or {}), id(optimizer): deferred})
         try:
             with _including(_TORCH_STATE_DICT, inner), _including(_RELOAD, inner):
@@ -332,7 +333,9 @@ def _load_state_dict(optimizer: Any, original: Callable[[Any], Any], state_dict:
         # The loaded states, read last by Megatron (L1070-1088), in one pipeline.
         rollback = _rollback()
         try:
-            te_load.load_states(inner, deferred.states, rollback=rollback)
+            te_load.load_states(
+                inner, deferred.states, rollback=rollback, round_as_device=deferred.round_as_device
+            )
         except ValueError as exc:  # checked before any of them was written
             deferred.finish_round_trip()  # as TE's round trip left them
             exc.add_note(
