@@ -95,5 +95,11 @@ def row_blocks(
 
 def te_layout_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[int, ...]:
     """The strides ``t.to(dtype)`` gives its result (``preserve_format``), computed on meta."""
+    strides, step = [], 1
+    for n in reversed(t.shape):
+        strides.append(step)
+        step *= max(int(n), 1)
+    if tuple(t.stride()) == tuple(reversed(strides)):  # row-major: kept as it is, without meta
+        return tuple(reversed(strides))
     meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
     return tuple(torch.empty_like(meta, dtype=dtype or t.dtype).stride())

@@ -496,6 +496,34 @@ def test_bf16_rounding_as_a_device_gives_its_nan_bits_and_the_hosts_finite_bits(
     assert torch.equal(bits(dst), bits(infinities.bfloat16()))
 
 
+def test_the_layout_of_tes_conversion_is_torchs_for_any_strides() -> None:
+    """``te_layout_like`` (row-major strides answered without a meta tensor) gives the strides
+    ``empty_like`` gives, for layouts with size-0 and size-1 dimensions and odd strides."""
+    from te_ckpt_placement import _tensors
+
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(3000):
+        sizes = (0, 1, 1, 2, 3, 5)
+        shape = [
+            sizes[int(i)] for i in torch.randint(6, (int(torch.randint(5, ())),), generator=gen)
+        ]
+        t = torch.empty(shape)
+        choice = int(torch.randint(3, (), generator=gen))
+        if choice == 1 and len(shape) >= 2:
+            t = t.transpose(0, 1)
+        strides = list(t.stride())
+        if choice == 2:  # other strides for the dimensions that have no extent
+            extents = zip(t.shape, strides, strict=True)
+            strides = [
+                int(torch.randint(1, 50, (), generator=gen)) if n <= 1 else s for n, s in extents
+            ]
+        t = torch.empty_strided(t.shape, strides)
+        meta = torch.empty_strided(t.shape, t.stride(), device="meta")
+        for dtype in (torch.bfloat16, torch.float32):
+            expected = tuple(torch.empty_like(meta, dtype=dtype).stride())
+            assert _tensors.te_layout_like(t, dtype) == expected, (t.shape, t.stride())
+
+
 def test_a_device_whose_cast_keeps_nan_payloads_is_refused() -> None:
     from te_ckpt_placement import _convert
 
