@@ -2,8 +2,10 @@
 
 Bit-exactness against TE's own ``load_state_dict`` of the same checkpoint (every storage mode,
 special values, odd layouts, chunked and not), the GPU memory bounds, aliasing checkpoints,
-GPU-resident checkpoints, checkpoint values whose elements share memory (expanded tensors), and
-faults part-way with and without rollback.
+GPU-resident checkpoints, checkpoint values whose elements share memory (expanded tensors),
+faults part-way with and without rollback, and host values rounded as the device would round them
+(Megatron's load templates): every FP32 pattern against the device's cast, and ``load_states``
+against TE's ``set_scaled_state`` of device values.
 """
 
 from __future__ import annotations
