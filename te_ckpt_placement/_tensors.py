@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -94,12 +95,10 @@ def row_blocks(
 
 
 def te_layout_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[int, ...]:
-    """The strides ``t.to(dtype)`` gives its result (``preserve_format``), computed on meta."""
-    strides, step = [], 1
-    for n in reversed(t.shape):
-        strides.append(step)
-        step *= max(int(n), 1)
-    if tuple(t.stride()) == tuple(reversed(strides)):  # row-major: kept as it is, without meta
-        return tuple(reversed(strides))
+    """The strides ``t.to(dtype)`` gives its result (``preserve_format``): row-major ones stay
+    as they are; others are computed on meta (size-1 dimensions' strides follow torch's rules)."""
+    row_major = tuple(itertools.accumulate((max(int(n), 1) for n in t.shape[:0:-1]), initial=1))
+    if tuple(t.stride()) == row_major[::-1]:
+        return row_major[::-1]
     meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
     return tuple(torch.empty_like(meta, dtype=dtype or t.dtype).stride())
