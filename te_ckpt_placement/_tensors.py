@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from collections.abc import Iterator
 from typing import Any
 
@@ -97,7 +98,8 @@ def row_blocks(
 def te_layout_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[int, ...]:
     """The strides ``t.to(dtype)`` gives its result (``preserve_format``): row-major ones stay
     as they are; others are computed on meta (size-1 dimensions' strides follow torch's rules)."""
-    row_major = tuple(itertools.accumulate((max(int(n), 1) for n in t.shape[:0:-1]), initial=1))
+    sizes = (max(int(n), 1) for n in t.shape[:0:-1])
+    row_major = tuple(itertools.accumulate(sizes, operator.mul, initial=1))
     if tuple(t.stride()) == row_major[::-1]:
         return row_major[::-1]
     meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")

@@ -504,13 +504,14 @@ def test_the_layout_of_tes_conversion_is_torchs_for_any_strides() -> None:
     gen = torch.Generator().manual_seed(5)
     for _ in range(3000):
         sizes = (0, 1, 1, 2, 3, 5)
-        shape = [
-            sizes[int(i)] for i in torch.randint(6, (int(torch.randint(5, ())),), generator=gen)
-        ]
+        dims = int(torch.randint(5, (), generator=gen))
+        shape = [sizes[int(i)] for i in torch.randint(6, (dims,), generator=gen)]
         t = torch.empty(shape)
-        choice = int(torch.randint(3, (), generator=gen))
+        choice = int(torch.randint(4, (), generator=gen))
         if choice == 1 and len(shape) >= 2:
             t = t.transpose(0, 1)
+        if choice == 3 and shape:  # a slice: not dense
+            t = torch.empty([*shape[:-1], shape[-1] + 1])[..., : shape[-1]]
         strides = list(t.stride())
         if choice == 2:  # other strides for the dimensions that have no extent
             extents = zip(t.shape, strides, strict=True)
