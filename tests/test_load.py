@@ -991,14 +991,18 @@ def test_benchmark_totals_say_a_missed_target_is_a_goal_not_a_failure() -> None:
     assert "not a wrong result" in lines[-1] and "do not apply" not in "\n".join(lines)
 
 
+@pytest.mark.parametrize("as_device", [False, True], ids=["host", "round_as_device"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_uploader_bf16_equals_te_conversion_for_any_source(
-    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, layout: str
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, layout: str, as_device: bool
 ) -> None:
     """``Uploader.write`` into BF16 == ``src.float().bfloat16()`` (TE's op), NaNs included, for
-    0-d, one-element and larger sources of every floating dtype, chunked or not."""
+    0-d, one-element and larger sources of every floating dtype, chunked or not; with
+    ``round_as_device``, every NaN as the device's cast writes it (here given as 0x7FFF)."""
 
+    if as_device:
+        monkeypatch.setattr(_upload, "device_bf16_nan", lambda device: 0x7FFF)
     gen = torch.Generator().manual_seed(5)
     for chunk in (64, 1 << 20):
         monkeypatch.setattr(_ring, "CHUNK_BYTES", chunk)
@@ -1010,9 +1014,11 @@ def test_uploader_bf16_equals_te_conversion_for_any_source(
                 flat[1] = -float("nan")
             src = restride(values.to(dtype), layout)
             dst = torch.empty(shape, dtype=torch.bfloat16)
-            with _upload.Uploader(torch.device("cpu")) as up:
+            with _upload.Uploader(torch.device("cpu"), round_as_device=as_device) as up:
                 up.write(dst, src)
             expected = src.float().bfloat16()
+            if as_device:
+                expected.view(torch.int16)[src.float().isnan()] = 0x7FFF
             assert torch.equal(raw_bits(dst), raw_bits(expected)), (shape, chunk)
 
 
