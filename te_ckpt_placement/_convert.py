@@ -361,10 +361,10 @@ def _device_bf16_nan(device: torch.device) -> int:
 def one_nan(written: Iterable[int], device: torch.device) -> int:
     """The one BF16 pattern ``device``'s cast wrote for every NaN of the probe (``written``)."""
     patterns = {int(b) & 0xFFFF for b in written}
-    if len(patterns) != 1:
+    if len(patterns) != 1 or min(patterns) & 0x7FFF <= 0x7F80:  # not one NaN
         raise RuntimeError(
-            f"{device} rounds FP32 NaNs to BF16 keeping part of their payloads "
-            f"({sorted(hex(b) for b in patterns)}), which te_ckpt_placement's host rounding "
+            f"{device} rounds FP32 NaNs to BF16 as {sorted(hex(b) for b in patterns)}, not as "
+            "one NaN pattern, which te_ckpt_placement's host rounding "
             "does not reproduce: load this optimizer without the policy (for Megatron, "
             "unplace_optimizer), or on a device whose cast writes one NaN (CUDA on sm_80 and "
             "later writes 0x7fff)"
@@ -381,7 +381,8 @@ def device_bf16_nan(device: torch.device) -> int | None:
     round alike, to nearest even (every FP32 pattern checked on an H200, tests/test_gpu_load.py),
     and CUDA's cast writes 0x7FFF for every NaN on sm_80 and later
     (benchmarks/results/h200_bf16_nan_bits.json), where the host's kernels write 0xFFFF or
-    0x7FC0. Probed once per device; a device whose cast keeps payloads raises ``RuntimeError``.
+    0x7FC0. Probed once per device; a device whose cast does not write one NaN pattern raises
+    ``RuntimeError``.
     """
     if device.type == "cpu":
         return None

@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
+from . import _convert, _te_cost, _te_load_check, _tensors
 from . import _reports as reports
-from . import _te_cost, _te_load_check, _tensors
 from ._te_contract import Contract
 from ._te_initial_states import group_steps as group_steps
 from ._te_initial_states import initialize_states as initialize_states
@@ -251,6 +251,13 @@ def load_states(
         )
 
 
+def check_round_as_device(params: Iterable[Any]) -> None:
+    """Raises ``RuntimeError`` if the device of one of ``params`` rounds to BF16 in a way that
+    ``load_states(round_as_device=True)`` cannot give on the host (checked before a write)."""
+    for device in {_tensors.local(p).device for p in params}:
+        _convert.device_bf16_nan(device)
+
+
 def _load_states(
     contract: Contract,
     states: Iterable[tuple[torch.Tensor, str, Any]],
@@ -259,6 +266,8 @@ def _load_states(
     round_as_device: bool = False,
 ) -> None:
     jobs = checked_jobs(contract, states)
+    if round_as_device:
+        check_round_as_device(j.param for j in jobs)
     _write_jobs(contract, jobs, rollback=rollback, round_as_device=round_as_device)
 
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
+from . import _convert, _workers
 from . import _reports as reports
-from . import _workers
-from ._convert import bf16_copy_is_vectorized, device_bf16_nan
+from ._convert import bf16_copy_is_vectorized
 from ._convert import host_copy as _host_copy
 from ._convert import to_bf16 as _to_bf16
 from ._ring import ALIGN, lend, pipeline_slots
@@ -41,7 +41,7 @@ class Uploader:
 
     def __init__(self, device: torch.device, *, round_as_device: bool = False) -> None:
         self.device = device
-        self._nan_bits = device_bf16_nan(device) if round_as_device else None
+        self._nan_bits = _convert.device_bf16_nan(device) if round_as_device else None
         self._exit = ExitStack()
         self._ring: Any = None
         self._slot = -1

@@ -516,9 +516,10 @@ def test_bf16_states_are_rounded_where_megatrons_own_template_is(
     # two read into host buffers of Megatron's own (L1318-1341, L2310-2312) in both loads.
     from te_ckpt_placement.integrations._megatron_load import Deferred
 
+    inner = SimpleNamespace(param_groups=[{"params": [torch.zeros(2)]}])
     loading = {"param_state": {}, "param_state_sharding_type": sharding_type}
-    assert Deferred.for_load(object(), loading).round_as_device is on_device
-    assert Deferred.for_load(object(), {}).round_as_device is False  # no parameter state
+    assert Deferred.for_load(inner, loading).round_as_device is on_device
+    assert Deferred.for_load(inner, {}).round_as_device is False  # no parameter state
 
 
 def _entries(tree: Any) -> Iterator[dict[str, Any]]:
@@ -540,9 +541,9 @@ def test_a_placed_load_rounds_nans_as_the_device_would(
     # On a GPU, Megatron's own dp_reshardable load rounds the BF16 moments there (CUDA writes
     # 0x7FFF for every NaN; tests/test_gpu_load.py checks the host rounding against the device's
     # cast). Here the CPU "device" is given those NaN bits, so the placed load must write them.
-    from te_ckpt_placement import _upload
+    from te_ckpt_placement import _convert
 
-    monkeypatch.setattr(_upload, "device_bf16_nan", lambda device: 0x7FFF)
+    monkeypatch.setattr(_convert, "device_bf16_nan", lambda device: 0x7FFF)
     saved = _saved_bf16(api)
     entries = list(_entries(saved["param_state"]))
     assert entries
@@ -558,6 +559,35 @@ def test_a_placed_load_rounds_nans_as_the_device_would(
         if k[2] == "exp_avg"
     ]
     assert firsts and all(f == [0x7FFF] * 3 for f in firsts), firsts
+
+
+def test_a_device_whose_rounding_cannot_be_given_fails_the_load_before_it_starts(
+    api: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from te_ckpt_placement import _convert
+
+    def refuse(device: torch.device) -> int:
+        return _convert.one_nan([0x7FC0, 0xFFC0], device)
+
+    _built, saved, run, template = _placed_template(api, rollback=False)
+    loaded = simulate_load(template, saved)  # the read (int16 remainders read in place)
+    before = raw_states(run.inner)
+    groups = [dict(g, params=None) for g in run.inner.param_groups]
+    monkeypatch.setattr(_convert, "device_bf16_nan", refuse)
+    cls, started = api.DistributedOptimizer, []
+    load_from = cls.load_parameter_state_from_dp_reshardable
+    monkeypatch.setattr(
+        cls,
+        "load_parameter_state_from_dp_reshardable",
+        lambda self, state: started.append(1) or load_from(self, state),
+    )
+    with pytest.raises(RuntimeError, match="not as one NaN pattern"):
+        run.optimizer.load_state_dict(loaded)
+    assert not started, "Megatron's load ran before the refusal"
+    after = raw_states(run.inner)
+    assert after.keys() == before.keys()
+    assert all(torch.equal(bits(after[k]), bits(before[k])) for k in before)
+    assert [dict(g, params=None) for g in run.inner.param_groups] == groups
 
 
 @pytest.mark.parametrize("rollback", [False, True])

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from te_ckpt_placement import _ring, _upload, export_placement
+from te_ckpt_placement import _convert, _ring, _upload, export_placement
 from te_ckpt_placement import _te_load as te_load
 
 from .support.helpers import assert_same_export, assert_snapshot_equal, bits, local, snapshot
@@ -525,13 +525,30 @@ def test_the_layout_of_tes_conversion_is_torchs_for_any_strides() -> None:
             assert _tensors.te_layout_like(t, dtype) == expected, (t.shape, t.stride())
 
 
-def test_a_device_whose_cast_keeps_nan_payloads_is_refused() -> None:
-    from te_ckpt_placement import _convert
-
+def test_a_device_whose_cast_writes_more_than_one_nan_is_refused_before_any_write(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     assert _convert.device_bf16_nan(torch.device("cpu")) is None  # the host rounds as the host
-    assert _convert.one_nan([0x7FFF, 0x7FFF], torch.device("cuda", 0)) == 0x7FFF
-    with pytest.raises(RuntimeError, match=r"cuda:0 rounds FP32 NaNs .*\['0x7fc0', '0xffc0'\]"):
-        _convert.one_nan([0x7FC0, 0xFFC0], torch.device("cuda", 0))
+    cuda = torch.device("cuda", 0)
+    assert _convert.one_nan([0x7FFF, 0x7FFF], cuda) == 0x7FFF
+    with pytest.raises(RuntimeError, match=r"cuda:0 rounds FP32 NaNs to BF16 as \['0x7fc0', "):
+        _convert.one_nan([0x7FC0, 0xFFC0], cuda)  # payloads or signs kept
+    with pytest.raises(RuntimeError, match=r"as \['0x7f80'\], not as one NaN pattern"):
+        _convert.one_nan([0x7F80, 0x7F80], cuda)  # not a NaN at all
+
+    # load_states asks before it writes anything: the optimizer is left as it was.
+    def refuse(device: torch.device) -> int:
+        return _convert.one_nan([0x7FC0, 0xFFC0], device)
+
+    monkeypatch.setattr(_convert, "device_bf16_nan", refuse)
+    opt = trained(torch.bfloat16, "fp32", seed=1)
+    before = snapshot(opt)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    states = [(p, "exp_avg", torch.randn(p.shape)) for p in params]
+    with pytest.raises(RuntimeError, match="not as one NaN pattern") as raised:
+        te_load.load_states(opt, states, round_as_device=True)
+    assert not isinstance(raised.value, te_load.PartialLoadError)  # refused, not failed part-way
+    assert_snapshot_equal(snapshot(opt), before)
 
 
 def test_the_two_bf16_kernels_differ_only_in_nans() -> None:
@@ -1002,7 +1019,7 @@ def test_uploader_bf16_equals_te_conversion_for_any_source(
     ``round_as_device``, every NaN as the device's cast writes it (here given as 0x7FFF)."""
 
     if as_device:
-        monkeypatch.setattr(_upload, "device_bf16_nan", lambda device: 0x7FFF)
+        monkeypatch.setattr(_convert, "device_bf16_nan", lambda device: 0x7FFF)
     gen = torch.Generator().manual_seed(5)
     for chunk in (64, 1 << 20):
         monkeypatch.setattr(_ring, "CHUNK_BYTES", chunk)

@@ -44,6 +44,8 @@ class Deferred:
         where they are set from :func:`template_state`'s host stand-ins of device tensors
         (:data:`DEVICE_TEMPLATES`, L1070-1088)."""
         kind = state_dict.get("param_state_sharding_type") if isinstance(state_dict, dict) else None
+        if kind in DEVICE_TEMPLATES:  # a device whose rounding cannot be given fails now
+            te_load.check_round_as_device(p for g in inner.param_groups for p in g["params"])
         return cls(inner, round_as_device=kind in DEVICE_TEMPLATES)
 
     def finish_round_trip(self, *, skip_loaded: bool = False) -> None:
